@@ -1,0 +1,128 @@
+"""The "vegas" attention function: draft (sparse) or verify/prefill (full + selection), per `VegasCache.mode`.
+
+It is registered through `transformers.AttentionInterface` and reaches the active cache through a context
+variable set by whoever drives the forwards (`hf_vegas.generate`, or `vegas_assisted` for HF's own loop):
+transformers hands the attention function the layer's keys, not the cache object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from .cache import VegasCache
+from .config import STREAMING_SINK_TOKENS
+from .ops import reference
+
+ATTN_NAME = "vegas"
+
+_ACTIVE: contextvars.ContextVar[VegasCache | None] = contextvars.ContextVar("hf_vegas_active_cache", default=None)
+
+
+@contextlib.contextmanager
+def active_cache(cache: VegasCache):
+    """Route every "vegas" attention call inside the block to `cache`."""
+    token = _ACTIVE.set(cache)
+    try:
+        yield cache
+    finally:
+        _ACTIVE.reset(token)
+
+
+def vegas_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+):
+    cache = _ACTIVE.get()
+    if cache is None:
+        raise RuntimeError(
+            "The 'vegas' attention implementation only runs inside hf_vegas generation "
+            "(model.generate(..., custom_generate='vegas'))."
+        )
+    if dropout:
+        raise ValueError("hf_vegas runs inference only: attention dropout must be 0 (call model.eval()).")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("Attention sinks (`s_aux`, gpt-oss) are not supported by hf_vegas yet.")
+    if scaling is None:
+        scaling = module.head_dim**-0.5
+    num_tokens = query.shape[2]
+    q_slot = cache.query_slots(num_tokens)
+    full_layer = sliding_window is None
+    if cache.mode == "draft" and full_layer:
+        out = reference.sparse_draft_attention(
+            query, key, value, q_slot, cache.lengths,
+            cache.sel_idx[module.layer_idx], cache.sel_count, cache.sel_end, scaling, softcap,
+        )
+    else:
+        out = reference.dense_attention(query, key, value, q_slot, cache.lengths, scaling, sliding_window, softcap)
+        if cache.mode != "draft" and full_layer:
+            _select(cache, module.layer_idx, query, key, q_slot, scaling, softcap)
+    return out, None
+
+
+def _select(cache: VegasCache, layer_idx: int, query, key, q_slot, scaling, softcap) -> None:
+    """Choose the next draft's slots for this layer from this prefill/verify forward (no host sync)."""
+    config = cache.vegas_config
+    if config.policy == "streaming":
+        idx = reference.streaming_select(cache.sel_count, cache.sel_end, cache.max_selected, STREAMING_SINK_TOKENS)
+        cache.store_selection(layer_idx, idx)
+        return
+    last = query.shape[2] - 1
+    if config.policy == "vegas" or cache.mode == "prefill":
+        # Collect-2-Query: the first and the last query row (after prefill: the last prompt row only).
+        rows = [last] if cache.mode == "prefill" else sorted({0, last})
+    else:  # last_token keeps every row until acceptance says which one was the last accepted
+        rows = list(range(last + 1))
+    rows_t = torch.tensor(rows, device=query.device)
+    scores = reference.row_scores(
+        query[:, :, rows_t], key, q_slot[:, rows_t], cache.lengths, cache.sel_end, scaling, config.score, softcap
+    )
+    if config.policy == "last_token" and cache.mode == "verify":
+        cache.row_scores[layer_idx] = scores
+        return
+    cache.store_selection(layer_idx, reference.select_topk(scores.mean(dim=1), cache.max_selected))
+
+
+def select_from_rows(cache: VegasCache, rows: torch.Tensor) -> None:
+    """`last_token` policy: select, per row `b`, from the scores of verify row `rows[b]`."""
+    for layer_idx, scores in cache.row_scores.items():
+        picked = scores[cache.row_index, rows]  # (B, S)
+        cache.store_selection(layer_idx, reference.select_topk(picked, cache.max_selected))
+    cache.row_scores.clear()
+
+
+def _no_mask(*args, **kwargs):
+    # The cache carries each row's length and selection; a 4D mask would be redundant work (and wrong for
+    # ragged rows), so the "vegas" mask function builds nothing.
+    return None
+
+
+def register() -> str:
+    """Register the "vegas" attention and mask functions with transformers (idempotent). Returns the name."""
+    AttentionInterface.register(ATTN_NAME, vegas_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+    return ATTN_NAME
+
+
+@contextlib.contextmanager
+def vegas_attention(model):
+    """Switch `model` to the "vegas" attention for the block and restore its own implementation after."""
+    register()
+    original = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(original)

@@ -1,0 +1,196 @@
+"""`VegasCache`: a static, preallocated KV cache with per-row lengths and per-(layer, row) draft selections.
+
+Layout. Every attention layer owns `keys`/`values` of shape `(batch, capacity + 1, kv_heads, head_dim)` ("NHD":
+one token's keys for all KV heads are contiguous, which is what a gather of selected tokens wants). Row `b` holds
+its real tokens in slots `[0, lengths[b])`, with no padding: a token's slot is its position. The extra last slot is
+a scratch sink for the left-padding of a batched prefill.
+
+Step protocol. A forward of `T` tokens writes, at layer 0's `update`, the new per-row span
+`[write_start, lengths)`; every layer then writes its keys into that span and its attention reads `lengths`.
+After acceptance the generate loop rolls rows back with `rollback(new_lengths)`; HF's assisted loop uses `crop`.
+
+Selection. For full-attention layers, verification leaves `sel_idx[layer, b, :sel_count[b]]` (slots chosen among the
+candidates `[0, sel_end[b])`); a draft attends to those plus every slot in `[sel_end[b], lengths[b])`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .config import VegasConfig
+
+MODES = ("prefill", "draft", "verify")
+
+
+class VegasLayer(CacheLayerMixin):
+    """One layer's static key/value buffers; the row bookkeeping lives in the owning `VegasCache`."""
+
+    is_compileable = True
+    is_croppable = True
+
+    def __init__(self, owner: VegasCache, is_sliding: bool):
+        super().__init__()
+        self.owner = owner
+        self.is_sliding = is_sliding
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        owner = self.owner
+        batch, heads, _, head_dim = key_states.shape
+        if batch != owner.batch_size_:
+            raise ValueError(f"VegasCache was built for batch {owner.batch_size_}, got a forward of batch {batch}.")
+        shape = (batch, owner.capacity + 1, heads, head_dim)
+        self.keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(
+            (batch, owner.capacity + 1, heads, value_states.shape[-1]),
+            dtype=value_states.dtype,
+            device=value_states.device,
+        )
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        slots = self.owner.write_slots  # (B, T), pads point at the scratch slot
+        rows = self.owner.row_index[:, None]
+        # (B, H, T, D) -> (B, T, H, D): advanced indexing on dims 0 and 1 writes whole tokens.
+        self.keys[rows, slots] = key_states.transpose(1, 2).to(self.keys.dtype)
+        self.values[rows, slots] = value_states.transpose(1, 2).to(self.values.dtype)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.owner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.capacity + 1, 0
+
+    def crop(self, tokens_to_remove: int) -> None:  # rows are cropped once, by the owner
+        pass
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.keys.zero_()
+            self.values.zero_()
+
+
+class VegasCache(Cache):
+    r"""
+    Static KV cache for Vegas self-speculative decoding.
+
+    Args:
+        config (`PretrainedConfig`): the model config (its text config is used for the layer count and types).
+        batch_size (`int`): number of rows.
+        capacity (`int`): slots per row; must hold the longest prompt + max_new_tokens + gamma + 1.
+        vegas_config (`VegasConfig`): selection policy and budget.
+        device (`torch.device`): where the row bookkeeping lives (the KV buffers follow the model's tensors).
+    """
+
+    def __init__(self, config, batch_size: int, capacity: int, vegas_config: VegasConfig, device=None):
+        text_config = config.get_text_config(decoder=True)
+        num_layers = text_config.num_hidden_layers
+        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
+        super().__init__(layers=[VegasLayer(self, t == "sliding_attention") for t in layer_types[:num_layers]])
+        self.batch_size_ = batch_size
+        self.capacity = capacity
+        self.vegas_config = vegas_config
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        long = dict(dtype=torch.long, device=self.device)
+        self.row_index = torch.arange(batch_size, **long)
+        self.lengths = torch.zeros(batch_size, **long)
+        self.write_start = torch.zeros(batch_size, **long)
+        self.left_pad = torch.zeros(batch_size, **long)
+        self.write_slots = torch.zeros(batch_size, 1, **long)
+        self.mode = "verify"
+        # Largest budget any row can need: the selection buffers are sized once, so no step reallocates.
+        self.max_selected = vegas_config.budget(capacity)
+        self.sel_idx = torch.zeros(num_layers, batch_size, self.max_selected, **long)
+        self.sel_count = torch.zeros(batch_size, **long)
+        self.sel_end = torch.zeros(batch_size, **long)
+        self.has_selection = False
+        # `last_token` policy: head-averaged scores of every verify row, selected after acceptance.
+        self.row_scores: dict[int, torch.Tensor] = {}
+
+    # -- step protocol -------------------------------------------------------------------------------------------
+    def begin(self, mode: str, left_pad: torch.Tensor | None = None) -> None:
+        """Declare what the next forward is. `left_pad` (prefill only) counts each row's leading pad tokens."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "draft" and not self.has_selection:
+            raise RuntimeError("A draft forward needs a selection: run a prefill or verify forward first.")
+        self.mode = mode
+        self.left_pad = left_pad if left_pad is not None else torch.zeros_like(self.lengths)
+
+    def _start_forward(self, num_tokens: int) -> None:
+        """Called at layer 0: reserve the slots of this forward's new tokens for every row."""
+        self.write_start = self.lengths
+        offsets = torch.arange(num_tokens, device=self.device)
+        slots = self.write_start[:, None] + offsets[None, :] - self.left_pad[:, None]
+        self.write_slots = torch.where(slots >= self.write_start[:, None], slots, self.capacity)
+        self.lengths = self.write_start + (num_tokens - self.left_pad)
+        if self.mode in ("prefill", "verify"):
+            # Candidates for the next selection: prefill rates the whole prompt; verification rates the prefix
+            # plus the first query position (the slots both collected rows see), as in the reference design.
+            self.sel_end = self.lengths if self.mode == "prefill" else self.write_start + 1
+            self.sel_count = budget_tensor(self.sel_end, self.vegas_config)
+
+    def query_slots(self, num_tokens: int) -> torch.Tensor:
+        """Slot (= position) of each query of the current forward, `(B, T)`; pad queries are clamped to slot 0."""
+        offsets = torch.arange(num_tokens, device=self.device)
+        return (self.write_start[:, None] + offsets[None, :] - self.left_pad[:, None]).clamp_min(0)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0:
+            self._start_forward(key_states.shape[2])
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def rollback(self, new_lengths: torch.Tensor) -> None:
+        """Set each row's committed length (drops rejected draft tokens; their slots are overwritten later)."""
+        self.lengths = new_lengths.to(self.lengths)
+
+    def store_selection(self, layer_idx: int, indices: torch.Tensor) -> None:
+        self.sel_idx[layer_idx].copy_(indices)
+        self.has_selection = True
+
+    # -- transformers Cache API ----------------------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # HF's own loops (batch 1) slice their inputs with this; it is the longest row.
+        return int(self.lengths.max().item())
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.capacity
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.capacity + 1, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("VegasCache.crop takes a negative count (tokens to remove), like DynamicCache.")
+        self.lengths = (self.lengths + tokens_to_remove).clamp_min(0)
+
+    def activate_past_recording(self) -> None:
+        # Every slot stays in the buffer until overwritten, so rollback never needs a recording.
+        pass
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+        self.lengths.zero_()
+        self.has_selection = False
+
+    @property
+    def batch_size(self) -> int:
+        return self.batch_size_
+
+
+def budget_tensor(candidates: torch.Tensor, config: VegasConfig) -> torch.Tensor:
+    """Per-row budget `clamp(ceil(sparsity * n), min_tokens, n)`; float64 so it equals `VegasConfig.budget`."""
+    n = candidates.to(torch.float64)
+    budget = torch.ceil(config.sparsity * n).clamp_min(config.min_tokens)
+    return torch.minimum(budget, n).to(torch.long)

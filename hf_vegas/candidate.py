@@ -1,0 +1,90 @@
+"""`VegasCandidateGenerator`: drafts `gamma` tokens with the model itself, attending sparsely.
+
+`draft` is what `hf_vegas.generate` calls for a whole batch. `get_candidates` / `update_candidate_strategy` are the
+`transformers` `CandidateGenerator` interface, so the same drafter also runs inside HF's own assisted-decoding loop
+(batch 1, see `hf_vegas.assisted`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from .attention import select_from_rows
+from .cache import VegasCache
+from .sampling import LogitsPipeline, choose
+
+
+class VegasCandidateGenerator(CandidateGenerator):
+    r"""
+    Self-speculative drafter over a shared `VegasCache`.
+
+    Args:
+        model (`PreTrainedModel`): the model; it drafts with itself in the cache's "draft" mode.
+        cache (`VegasCache`): the cache the verification forwards also use.
+        logits_processor (`LogitsProcessorList`): the same processors the target uses, so draft probabilities are
+            the real distribution the drafts are sampled from.
+        do_sample (`bool`): sample drafts (speculative sampling) or take the argmax (greedy).
+    """
+
+    def __init__(self, model, cache: VegasCache, logits_processor, do_sample: bool):
+        self.model = model
+        self.cache = cache
+        self.gamma = cache.vegas_config.gamma
+        self.pipeline = LogitsPipeline(logits_processor)
+        self.do_sample = do_sample
+
+    def forward(self, input_ids: torch.Tensor, mode: str, logits_to_keep: int, left_pad=None) -> torch.Tensor:
+        """One model forward in `mode`; positions continue each row's cache. Returns the kept logits."""
+        self.cache.begin(mode, left_pad)
+        offsets = torch.arange(input_ids.shape[1], device=input_ids.device)
+        position_ids = self.cache.lengths[:, None] + offsets[None, :]
+        if left_pad is not None:
+            position_ids = (position_ids - left_pad[:, None]).clamp_min(0)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        return out.logits
+
+    def draft(self, pending: torch.Tensor, tokens: torch.Tensor, history: list[int]):
+        """Draft `gamma` tokens after each row's `pending` token (the last token, not yet in the cache).
+
+        The drafts are written into `tokens` at `history[b] + i`, so each step's processors see the right history.
+        Returns `(draft_tokens (B, gamma), draft_scores (B, gamma, V))`; the cache is left as before the draft.
+        """
+        committed = self.cache.lengths
+        rows = self.cache.row_index
+        start = torch.tensor(history, device=tokens.device)
+        ids, drafts, scores = pending[:, None], [], []
+        for i in range(self.gamma):
+            logits = self.forward(ids, "draft", logits_to_keep=1)[:, -1]
+            step_scores = self.pipeline(tokens, [h + i for h in history], logits)
+            token = choose(step_scores, self.do_sample)
+            tokens[rows, start + i] = token
+            drafts.append(token)
+            scores.append(step_scores)
+            ids = token[:, None]
+        self.cache.rollback(committed)
+        self.cache.begin("verify")
+        return torch.stack(drafts, dim=1), torch.stack(scores, dim=1)
+
+    # -- transformers CandidateGenerator interface (HF's assisted loop, batch 1) ---------------------------------
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
+        if input_ids.shape[0] != 1:
+            raise ValueError("HF's assisted decoding runs batch 1 only; use hf_vegas.generate for batches.")
+        cached = self.cache.get_seq_length()
+        if cached < input_ids.shape[1] - 1:
+            # HF feeds the prompt with the first verification; the drafter needs it cached (and a selection).
+            self.forward(input_ids[:, cached:-1], "prefill", logits_to_keep=1)
+        width = input_ids.shape[1]
+        tokens = torch.cat([input_ids, input_ids.new_zeros(1, self.gamma)], dim=1)
+        drafts, scores = self.draft(input_ids[:, -1], tokens, [width])
+        return torch.cat([input_ids, drafts], dim=1), scores
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        if self.cache.row_scores:  # `last_token` policy: the row that produced the kept token
+            select_from_rows(self.cache, torch.tensor([num_matches], device=self.cache.device))

@@ -1,0 +1,113 @@
+"""`VegasConfig`: every knob of Vegas self-speculative decoding, validated in one place.
+
+A config arrives either whole (`vegas_config=VegasConfig(...)`) or as flat `vegas_<field>=` keyword
+arguments to `generate`; `resolve_config` merges the two (flat keys win) and rejects unknown keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+SCORES = ("logits", "weights")
+POLICIES = ("vegas", "streaming", "last_token")
+BACKENDS = ("torch", "triton", "auto")
+
+# Sink size of the `streaming` baseline (StreamingLLM keeps a few "attention sink" tokens at the start).
+STREAMING_SINK_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class VegasConfig:
+    r"""
+    Configuration of Vegas self-speculative decoding.
+
+    Args:
+        gamma (`int`, *optional*, defaults to 6):
+            Number of tokens drafted per iteration. Each iteration verifies `gamma` draft tokens plus the bonus
+            position in one full-attention forward.
+        sparsity (`float`, *optional*, defaults to 0.07):
+            Fraction of the prefix that draft attention reads, in `(0, 1]`, per (sequence, full-attention layer).
+        min_tokens (`int`, *optional*, defaults to 256):
+            Lower bound of the per-sequence budget: `budget = clamp(ceil(sparsity * len), min_tokens, len)`.
+        score (`str`, *optional*, defaults to `"logits"`):
+            How verification rates prefix tokens: `"logits"` averages the raw attention logits of the first draft row
+            and the bonus row over all query heads (paper Eq. 3); `"weights"` averages softmax weights instead.
+        policy (`str`, *optional*, defaults to `"vegas"`):
+            `"vegas"` selects from verification scores (Collect-2-Query); `"streaming"` is the StreamingLLM baseline
+            (attention sinks + most recent tokens); `"last_token"` is the SpecExtend-style baseline that selects
+            from the scores of the verification row of the last accepted token only.
+        backend (`str`, *optional*, defaults to `"auto"`):
+            `"torch"` runs the plain-PyTorch reference ops, `"triton"` the Triton kernels, `"auto"` picks Triton on
+            CUDA when it is available and the reference otherwise.
+    """
+
+    gamma: int = 6
+    sparsity: float = 0.07
+    min_tokens: int = 256
+    score: str = "logits"
+    policy: str = "vegas"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
+            raise ValueError(f"`vegas_gamma` must be an integer >= 1, got {self.gamma!r}.")
+        if isinstance(self.sparsity, bool) or not isinstance(self.sparsity, (int, float)):
+            raise ValueError(f"`vegas_sparsity` must be a float in (0, 1], got {self.sparsity!r}.")
+        if not (0.0 < float(self.sparsity) <= 1.0) or math.isnan(self.sparsity):
+            raise ValueError(f"`vegas_sparsity` must be in (0, 1], got {self.sparsity!r}.")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 1:
+            raise ValueError(f"`vegas_min_tokens` must be an integer >= 1, got {self.min_tokens!r}.")
+        for name, allowed in (("score", SCORES), ("policy", POLICIES), ("backend", BACKENDS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"`vegas_{name}` must be one of {list(allowed)}, got {value!r}.")
+
+    def budget(self, length: int) -> int:
+        """Number of prefix tokens a draft reads out of `length` candidates."""
+        return min(max(math.ceil(self.sparsity * length), self.min_tokens), length)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __repr__(self) -> str:
+        changed = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default
+        ]
+        return f"VegasConfig({', '.join(changed)})"
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(VegasConfig))
+FLAT_KEYS = tuple(f"vegas_{name}" for name in FIELDS)
+
+
+def resolve_config(vegas_config: VegasConfig | dict | None = None, **flat: Any) -> VegasConfig:
+    """Merge a `VegasConfig` (or a dict of its fields) with flat `vegas_<field>` overrides.
+
+    Flat keys set to `None` are treated as not given. Unknown `vegas_*` keys raise a `ValueError` naming them and
+    listing the allowed keys.
+    """
+    unknown = sorted(k for k in flat if k not in FLAT_KEYS)
+    if unknown:
+        raise ValueError(
+            f"Unknown Vegas argument(s) {unknown}. Allowed: {['vegas_config', *FLAT_KEYS]}."
+        )
+    if vegas_config is None:
+        base = VegasConfig()
+    elif isinstance(vegas_config, VegasConfig):
+        base = vegas_config
+    elif isinstance(vegas_config, dict):
+        bad = sorted(set(vegas_config) - set(FIELDS))
+        if bad:
+            raise ValueError(f"Unknown `vegas_config` field(s) {bad}. Allowed: {list(FIELDS)}.")
+        base = VegasConfig(**vegas_config)
+    else:
+        raise TypeError(
+            f"`vegas_config` must be a `hf_vegas.VegasConfig` or a dict, got {type(vegas_config).__name__}."
+        )
+    overrides = {k[len("vegas_"):]: v for k, v in flat.items() if v is not None}
+    return dataclasses.replace(base, **overrides) if overrides else base

@@ -1,0 +1,189 @@
+"""`hf_vegas.generate`: the Vegas decoding loop, a `custom_generate` callable for `model.generate`.
+
+    prefill (full attention, first selection from the last prompt row)
+    repeat: draft gamma tokens (sparse attention) -> verify gamma + 1 rows (full attention, next selection)
+            -> accept per row (greedy match / speculative sampling) -> stop inside the chunk -> roll back the cache
+
+Rows advance independently: each keeps its own history length, cache length and pending token (the last token,
+whose KV is not cached yet). One host synchronisation per iteration reads the acceptance.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _compat, validation
+from .attention import active_cache, select_from_rows, vegas_attention
+from .cache import VegasCache
+from .candidate import VegasCandidateGenerator
+from .config import VegasConfig, resolve_config
+from .output import VegasGenerateOutput
+from .sampling import accept_greedy, accept_sampling, choose
+from .stopping import ChunkStopper
+
+
+@torch.no_grad()
+def generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor=None,
+    stopping_criteria=None,
+    generation_config=None,
+    synced_gpus: bool = False,
+    streamer=None,
+    vegas_config: VegasConfig | dict | None = None,
+    vegas_gamma: int | None = None,
+    vegas_sparsity: float | None = None,
+    vegas_min_tokens: int | None = None,
+    vegas_score: str | None = None,
+    vegas_policy: str | None = None,
+    vegas_backend: str | None = None,
+    **model_kwargs,
+):
+    r"""
+    Vegas self-speculative decoding loop. Pass it to `generate` as `custom_generate=hf_vegas.generate`; transformers
+    prepares the inputs, logits processors and stopping criteria, then hands the decoding over to this function.
+
+    Args:
+        vegas_config (`VegasConfig` or `dict`, *optional*): all Vegas settings at once.
+        vegas_gamma, vegas_sparsity, vegas_min_tokens, vegas_score, vegas_policy, vegas_backend (*optional*):
+            override single fields of `vegas_config` (see [`VegasConfig`]).
+
+    Returns:
+        `torch.LongTensor` of shape `(batch, length)`, or a [`VegasGenerateOutput`] with
+        `return_dict_in_generate=True`.
+    """
+    config = resolve_config(
+        vegas_config, vegas_gamma=vegas_gamma, vegas_sparsity=vegas_sparsity, vegas_min_tokens=vegas_min_tokens,
+        vegas_score=vegas_score, vegas_policy=vegas_policy, vegas_backend=vegas_backend,
+    )
+    if streamer is None:
+        # transformers does not forward `streamer` to custom_generate callables; take it from its generate call.
+        streamer = _compat.streamer_from_generate_call()
+    if synced_gpus:
+        raise ValueError("hf_vegas does not support `synced_gpus=True` (multi-GPU ZeRO-3/FSDP generation).")
+    validation.check_model(model)
+    validation.check_generation_config(generation_config)
+    validation.check_model_kwargs(model_kwargs)
+    left_pad = validation.left_padding(input_ids, model_kwargs.get("attention_mask"))
+    validation.check_streamer(streamer, input_ids.shape[0])
+    _compat.resolve_backend(config.backend, input_ids.device)
+
+    max_new = generation_config.max_length - input_ids.shape[1]
+    if max_new <= 0:
+        return _finish(input_ids, None, generation_config, streamer)
+    real_len = input_ids.shape[1] - left_pad
+    # A row ends at most at prompt + max_new + gamma committed slots (it can stop inside its last chunk) and rows
+    # that ended keep being drafted and verified, gamma + 1 slots further, until the whole batch ends.
+    capacity = int(real_len.max()) + max_new + 2 * config.gamma + 1
+    cache = VegasCache(model.config, input_ids.shape[0], capacity, config, device=input_ids.device)
+    with vegas_attention(model), active_cache(cache):
+        loop = _Loop(model, cache, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
+                     generation_config, streamer)
+        sequences, accepted = loop.run()
+    return _finish(sequences, VegasGenerateOutput(sequences=sequences, past_key_values=cache, accepted=accepted),
+                   generation_config, streamer)
+
+
+def _finish(sequences, output, generation_config, streamer):
+    if streamer is not None:
+        streamer.end()
+    if generation_config.return_dict_in_generate:
+        return output if output is not None else VegasGenerateOutput(sequences=sequences)
+    return sequences
+
+
+class _Loop:
+    """Per-row state of one Vegas generation and the steps that advance it."""
+
+    def __init__(self, model, cache, input_ids, left_pad, max_new, processors, stopping_criteria, gen_config, streamer):
+        self.cache, self.streamer = cache, streamer
+        self.do_sample = bool(gen_config.do_sample)
+        self.drafter = VegasCandidateGenerator(model, cache, processors, self.do_sample)
+        self.stopper = ChunkStopper(stopping_criteria, gen_config._eos_token_tensor)
+        self.pad_id = gen_config._pad_token_tensor
+        self.input_ids, self.left_pad, self.max_new = input_ids, left_pad, max_new
+        batch, width = input_ids.shape
+        gamma = cache.vegas_config.gamma
+        # Every row's history in vanilla's layout (left pads, prompt, generated) plus room for one chunk.
+        self.tokens = torch.zeros(batch, width + max_new + gamma + 1, dtype=input_ids.dtype, device=input_ids.device)
+        self.tokens[:, :width] = input_ids
+        self.history = [width] * batch  # host copy: one sync per iteration
+        self.generated = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+        self.target_len: int | None = None  # set when every row has stopped but finished rows are not padded
+
+    def run(self):
+        logits = self.drafter.forward(self.input_ids, "prefill", logits_to_keep=1, left_pad=self.left_pad)[:, -1]
+        first = choose(self.drafter.pipeline(self.tokens, self.history, logits), self.do_sample)
+        self.pending = first
+        self._commit(first[:, None], torch.ones_like(first), active=torch.ones_like(self.finished))
+        accepted = []
+        while True:
+            active = self._active()
+            if not bool(active.any()):
+                break
+            accepted.append(torch.where(active, self._iterate(active), -1))
+        width = self.input_ids.shape[1]
+        stats = torch.stack(accepted, dim=1) if accepted else self.generated.new_zeros(len(self.history), 0)
+        return self._sequences(width), stats
+
+    def _active(self) -> torch.Tensor:
+        """Rows that still decode. Rows finished while others run on either pad (EOS set) or keep decoding."""
+        done = self.generated >= self.max_new
+        if self.stopper.has_eos:
+            return ~(self.finished | done)
+        if self.target_len is None and bool(self.finished.all()):
+            self.target_len = int(self.generated.max())
+        if self.target_len is not None:
+            done |= self.generated >= self.target_len
+        return ~done
+
+    def _iterate(self, active: torch.Tensor) -> torch.Tensor:
+        cache, gamma = self.cache, self.cache.vegas_config.gamma
+        committed = cache.lengths
+        drafts, draft_scores = self.drafter.draft(self.pending, self.tokens, self.history)
+        verify_ids = torch.cat([self.pending[:, None], drafts], dim=1)
+        logits = self.drafter.forward(verify_ids, "verify", logits_to_keep=gamma + 1)
+        pipeline = self.drafter.pipeline
+        target_scores = torch.stack(
+            [pipeline(self.tokens, [h + i for h in self.history], logits[:, i]) for i in range(gamma + 1)], dim=1
+        )
+        if self.do_sample:
+            n, nxt = accept_sampling(drafts, draft_scores, target_scores)
+        else:
+            n, nxt = accept_greedy(drafts, target_scores)
+        if cache.row_scores:  # `last_token` policy selects from the row that produced the kept token
+            select_from_rows(cache, n)
+        chunk = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
+        chunk.scatter_(1, n[:, None], nxt[:, None])
+        # Accepted drafts and the pending token now have exact KV; the next pending token is `nxt`.
+        cache.rollback(torch.where(active, committed + n + 1, committed))
+        self.pending = torch.where(active, nxt, self.pending)
+        self._commit(chunk, n + 1, active)
+        return n
+
+    def _commit(self, chunk: torch.Tensor, chunk_len: torch.Tensor, active: torch.Tensor) -> None:
+        """Append each active row's chunk, cut where vanilla generate would have stopped."""
+        start = torch.tensor(self.history, device=chunk.device)
+        cols = start[:, None] + torch.arange(chunk.shape[1], device=chunk.device)[None, :]
+        rows = torch.arange(chunk.shape[0], device=chunk.device)[:, None]
+        old = self.tokens[rows, cols]
+        self.tokens[rows, cols] = torch.where(active[:, None], chunk, old)
+        keep, stopped = self.stopper(self.tokens, self.history, chunk, chunk_len, self.max_new - self.generated)
+        keep = torch.where(active, keep, 0)
+        self.finished |= stopped & active
+        self.generated += keep
+        keep_host = keep.tolist()  # the iteration's one synchronisation
+        if self.streamer is not None and keep_host[0]:
+            self.streamer.put(chunk[0, : keep_host[0]].cpu())
+        self.history = [h + k for h, k in zip(self.history, keep_host)]
+
+    def _sequences(self, width: int) -> torch.Tensor:
+        length = self.target_len if self.target_len is not None else int(self.generated.max())
+        out = self.tokens[:, : width + length].clone()
+        if self.pad_id is not None:
+            ends = torch.tensor(self.history, device=out.device)
+            beyond = torch.arange(out.shape[1], device=out.device)[None, :] >= ends[:, None]
+            out = torch.where(beyond, self.pad_id.to(out), out)
+        return out

@@ -1,0 +1,121 @@
+r"""Plain-PyTorch reference ops: the semantics every Triton kernel must reproduce.
+
+Shapes (cache layout "NHD", see `hf_vegas.cache`):
+    q           `(B, Hq, T, D)` queries, RoPE applied
+    k_cache     `(B, S, Hkv, D)` keys of every slot (slot = position), `Hq % Hkv == 0`
+    v_cache     `(B, S, Hkv, Dv)`
+    q_slot      `(B, T)` position of each query; a query sees slots `<= q_slot`
+    kv_len      `(B,)` slots `>= kv_len` hold nothing valid
+The reference reads the whole buffer and masks; the kernels read only the slots the mask allows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _visible(q_slot: torch.Tensor, kv_len: torch.Tensor, num_slots: int, window: int | None) -> torch.Tensor:
+    """`(B, T, S)` bool: causal, inside the row's length, and inside the sliding window if any."""
+    slots = torch.arange(num_slots, device=q_slot.device)
+    visible = (slots[None, None, :] <= q_slot[:, :, None]) & (slots[None, None, :] < kv_len[:, None, None])
+    if window is not None:
+        # Same convention as transformers' sliding_window_overlay: kv > q - window.
+        visible &= slots[None, None, :] > q_slot[:, :, None] - window
+    return visible
+
+
+def selected_slots(sel_idx: torch.Tensor, sel_count: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """`(B, S)` bool membership of the first `sel_count[b]` entries of `sel_idx[b]`."""
+    batch, k_max = sel_idx.shape
+    valid = torch.arange(k_max, device=sel_idx.device)[None, :] < sel_count[:, None]
+    # Invalid entries go to an extra column that is dropped, so they can never clear a valid hit.
+    target = torch.where(valid, sel_idx, num_slots)
+    member = torch.zeros(batch, num_slots + 1, dtype=torch.bool, device=sel_idx.device)
+    member.scatter_(1, target, True)
+    return member[:, :num_slots]
+
+
+def draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, num_slots: int) -> torch.Tensor:
+    """Draft mask: selected candidates plus every slot from `sel_end` on (accepted since, and drafts), causal."""
+    slots = torch.arange(num_slots, device=q_slot.device)
+    tail = slots[None, :] >= sel_end[:, None]
+    chosen = selected_slots(sel_idx, sel_count, num_slots) | tail
+    return _visible(q_slot, kv_len, num_slots, None) & chosen[:, None, :]
+
+
+def _logits(q: torch.Tensor, k_cache: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
+    """`(B, Hq, T, S)` scaled (and soft-capped) attention logits in fp32."""
+    groups = q.shape[1] // k_cache.shape[2]
+    k = k_cache.permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)
+    logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def masked_attention(q, k_cache, v_cache, visible, scaling: float, softcap: float | None = None) -> torch.Tensor:
+    """Attention of `q` over the slots `visible` `(B, T, S)` allows. Returns `(B, T, Hq, Dv)` in `q.dtype`.
+
+    Every query must see at least one slot.
+    """
+    groups = q.shape[1] // k_cache.shape[2]
+    if softcap is None:
+        k = k_cache.permute(0, 2, 1, 3)
+        v = v_cache.permute(0, 2, 1, 3)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible[:, None], scale=scaling, enable_gqa=groups > 1
+        )
+    else:
+        logits = _logits(q, k_cache, scaling, softcap).masked_fill(~visible[:, None], float("-inf"))
+        v = v_cache.permute(0, 2, 1, 3).repeat_interleave(groups, dim=1).float()
+        out = torch.matmul(torch.softmax(logits, dim=-1), v).to(q.dtype)
+    return out.transpose(1, 2)
+
+
+def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling: float, window=None, softcap=None):
+    """Full causal attention over each row's cache (verification, prefill, sliding-window layers)."""
+    visible = _visible(q_slot, kv_len, k_cache.shape[1], window)
+    return masked_attention(q, k_cache, v_cache, visible, scaling, softcap)
+
+
+def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None):
+    """Draft attention: the selected candidate slots plus the tail `[sel_end, kv_len)`."""
+    visible = draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, k_cache.shape[1])
+    return masked_attention(q, k_cache, v_cache, visible, scaling, softcap)
+
+
+def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: str, softcap=None, window=None):
+    """Criticality of each candidate slot for the given query rows, averaged over query heads.
+
+    Args:
+        q_rows `(B, Hq, R, D)`, q_slot_rows `(B, R)`: the collected query rows (Collect-2-Query: R = 2).
+        cand_end `(B,)`: candidates are slots `[0, cand_end)`; other slots score `-inf`.
+        score: `"logits"` (raw scaled logits) or `"weights"` (softmax weights over each row's visible slots).
+
+    Returns `(B, R, S)` fp32, head-averaged, `-inf` outside the candidates.
+    """
+    num_slots = k_cache.shape[1]
+    logits = _logits(q_rows, k_cache, scaling, softcap)  # (B, Hq, R, S)
+    visible = _visible(q_slot_rows, kv_len, num_slots, window)[:, None]
+    if score == "weights":
+        values = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    elif score == "logits":
+        values = logits.masked_fill(~visible, 0.0)
+    else:
+        raise ValueError(f"score must be 'logits' or 'weights', got {score!r}")
+    mean = values.mean(dim=1)  # over query heads
+    slots = torch.arange(num_slots, device=q_rows.device)
+    return mean.masked_fill(slots[None, None, :] >= cand_end[:, None, None], float("-inf"))
+
+
+def select_topk(scores: torch.Tensor, k_max: int) -> torch.Tensor:
+    """Slots of the `k_max` highest `scores` `(B, S)`, best first. Row `b` uses the first `sel_count[b]`."""
+    return torch.topk(scores, k_max, dim=-1, sorted=True).indices
+
+
+def streaming_select(sel_count: torch.Tensor, sel_end: torch.Tensor, k_max: int, sink: int) -> torch.Tensor:
+    """StreamingLLM selection: the first `sink` slots plus the most recent `sel_count - sink` candidates."""
+    i = torch.arange(k_max, device=sel_count.device)[None, :]
+    sinks = torch.clamp(sel_count, max=sink)[:, None]
+    recent = sel_end[:, None] - sel_count[:, None] + i
+    return torch.where(i < sinks, i, recent).clamp_min(0)

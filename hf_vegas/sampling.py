@@ -1,0 +1,95 @@
+"""Logits processing with each row's own history, token choice, and lossless acceptance.
+
+Rows of a Vegas batch advance by different amounts, so a row's history (what `generate` would pass to a logits
+processor as `input_ids`) has its own length. Processors that never look at the history run once for the batch;
+any other processor runs row by row on exactly the history vanilla `generate` would have shown it.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+# Warpers whose output depends on the scores only, never on `input_ids`.
+HISTORY_FREE = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+)
+
+
+class LogitsPipeline:
+    """Applies a `LogitsProcessorList` to `(B, V)` logits given each row's history length in `tokens`."""
+
+    def __init__(self, processors: LogitsProcessorList | None):
+        self.processors = processors if processors is not None else LogitsProcessorList()
+        self.batched = all(isinstance(p, HISTORY_FREE) for p in self.processors)
+
+    def __call__(self, tokens: torch.Tensor, history: list[int], logits: torch.Tensor) -> torch.Tensor:
+        # A copy in fp32, as vanilla generate does: some processors write into their input.
+        scores = logits.to(dtype=torch.float32, copy=True)
+        if len(self.processors) == 0:
+            return scores
+        if self.batched or len(set(history)) == 1:
+            return self.processors(tokens[:, : history[0]], scores)
+        rows = [self.processors(tokens[b : b + 1, :h], scores[b : b + 1]) for b, h in enumerate(history)]
+        return torch.cat(rows, dim=0)
+
+
+def choose(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """Next token per row from processed scores `(B, V)`, exactly as vanilla `generate` picks it."""
+    if do_sample:
+        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    return scores.argmax(dim=-1)
+
+
+def leading_true(mask: torch.Tensor) -> torch.Tensor:
+    """Length of the all-True prefix of each row of a `(B, G)` bool mask."""
+    return mask.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def accept_greedy(draft: torch.Tensor, target_scores: torch.Tensor):
+    """Greedy verification. `draft` `(B, G)`, `target_scores` `(B, G+1, V)`.
+
+    Returns `(n, next_token)`: accepted draft count per row and the target's token right after them.
+    """
+    target = target_scores.argmax(dim=-1)
+    n = leading_true(draft == target[:, :-1])
+    return n, target.gather(1, n[:, None]).squeeze(1)
+
+
+def accept_sampling(draft: torch.Tensor, draft_scores: torch.Tensor, target_scores: torch.Tensor):
+    """Speculative sampling (Leviathan et al., 2023, Alg. 1) with the real draft distributions.
+
+    `draft_scores` `(B, G, V)` are the processed scores the drafts were sampled from; `target_scores`
+    `(B, G+1, V)` the processed verification scores. Draft `i` is kept with probability `min(1, p_i/q_i)`; the first
+    rejected position is resampled from `norm(max(p - q, 0))`, and if all are kept the bonus comes from `p_G`.
+    """
+    q = torch.softmax(draft_scores, dim=-1)
+    p = torch.softmax(target_scores, dim=-1)
+    q_tok = q.gather(-1, draft[..., None]).squeeze(-1)
+    p_tok = p[:, :-1].gather(-1, draft[..., None]).squeeze(-1)
+    # u <= p/q written without the division: q_tok > 0 because the draft was sampled from q.
+    u = torch.rand(q_tok.shape, device=q_tok.device)
+    n = leading_true(u * q_tok <= p_tok)
+    rows = torch.arange(draft.shape[0], device=draft.device)
+    p_n = p[rows, n]
+    q_n = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, n]  # zero after the last draft: bonus = p_G
+    residual = (p_n - q_n).clamp_min(0)
+    total = residual.sum(dim=-1, keepdim=True)
+    # p == q leaves nothing to resample from; that position is then never rejected, but keep p to stay defined.
+    residual = torch.where(total > 0, residual / total.clamp_min(torch.finfo(total.dtype).tiny), p_n)
+    return n, torch.multinomial(residual, num_samples=1).squeeze(1)

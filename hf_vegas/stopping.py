@@ -1,0 +1,57 @@
+"""Where each row stops inside the chunk of tokens it accepted this iteration.
+
+Vanilla `generate` checks its stopping criteria after every token. Vegas accepts several tokens at once, so it
+finds the first token after which vanilla would have stopped: the length budget and EOS are vectorised; any other
+criterion (stop strings, custom criteria) is asked row by row on exactly the history vanilla would have passed.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+
+class ChunkStopper:
+    def __init__(self, stopping_criteria: StoppingCriteriaList | None, eos_token_ids: torch.Tensor | None):
+        criteria = list(stopping_criteria or [])
+        self.has_eos = eos_token_ids is not None or any(isinstance(c, EosTokenCriteria) for c in criteria)
+        eos = [eos_token_ids] if eos_token_ids is not None else []
+        eos += [c.eos_token_id for c in criteria if isinstance(c, EosTokenCriteria)]
+        self.eos = torch.cat([e.reshape(-1) for e in eos]).unique() if eos else None
+        # The length budget is enforced by the caller through `budget`; EOS is vectorised below.
+        self.others = [c for c in criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
+
+    def __call__(self, tokens, history: list[int], chunk, chunk_len, budget):
+        """Decide how much of each row's chunk to keep.
+
+        Args:
+            tokens `(B, W)`: every row's history, with the chunk already written at `history[b]`.
+            chunk `(B, C)`, chunk_len `(B,)`: the new tokens of each row (only the first `chunk_len[b]` are real).
+            budget `(B,)`: tokens each row may still generate.
+
+        Returns `(keep, stopped)`: tokens to keep per row, and whether the row is finished after them.
+        """
+        positions = torch.arange(chunk.shape[1], device=chunk.device)[None, :]
+        keep = torch.minimum(chunk_len, budget)
+        stopped = keep >= budget
+        if self.eos is not None:
+            is_eos = torch.isin(chunk, self.eos.to(chunk.device)) & (positions < keep[:, None])
+            hit = is_eos.any(dim=-1)
+            first = torch.where(is_eos, positions, chunk.shape[1]).min(dim=-1).values
+            keep = torch.where(hit, first + 1, keep)
+            stopped |= hit
+        if self.others:
+            keep, stopped = self._check_others(tokens, history, keep, stopped)
+        return keep, stopped
+
+    def _check_others(self, tokens, history, keep, stopped):
+        keep_host = keep.tolist()
+        new_keep, new_stop = list(keep_host), stopped.tolist()
+        for b, (h, k) in enumerate(zip(history, keep_host)):
+            for j in range(k):
+                prefix = tokens[b : b + 1, : h + j + 1]
+                if any(bool(c(prefix, None).any()) for c in self.others):
+                    new_keep[b], new_stop[b] = j + 1, True
+                    break
+        device = keep.device
+        return torch.tensor(new_keep, device=device), torch.tensor(new_stop, device=device)
