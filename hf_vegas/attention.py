@@ -82,9 +82,10 @@ def _select(cache: VegasCache, layer_idx: int, query, key, q_slot, scaling, soft
     last = query.shape[2] - 1
     if config.policy == "vegas" or cache.mode == "prefill":
         # Collect-2-Query: the first and the last query row (after prefill: the last prompt row only).
-        rows = [last] if cache.mode == "prefill" else sorted({0, last})
-    else:  # last_token keeps every row until acceptance says which one was the last accepted
-        rows = list(range(last + 1))
+        first = cache.first_verify_row(last + 1)
+        rows = [last] if cache.mode == "prefill" else sorted({first, last})
+    else:  # last_token keeps every verify row until acceptance says which one was the last accepted
+        rows = list(range(cache.first_verify_row(last + 1), last + 1))
     rows_t = torch.tensor(rows, device=query.device)
     scores = reference.row_scores(
         query[:, :, rows_t], key, q_slot[:, rows_t], cache.lengths, cache.sel_end, scaling, config.score, softcap

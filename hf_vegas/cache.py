@@ -105,6 +105,7 @@ class VegasCache(Cache):
         self.left_pad = torch.zeros(batch_size, **long)
         self.write_slots = torch.zeros(batch_size, 1, **long)
         self.mode = "verify"
+        self.verify_end: torch.Tensor | None = None
         # Largest budget any row can need: the selection buffers are sized once, so no step reallocates.
         self.max_selected = vegas_config.budget(capacity)
         self.sel_idx = torch.zeros(num_layers, batch_size, self.max_selected, **long)
@@ -115,18 +116,27 @@ class VegasCache(Cache):
         self.row_scores: dict[int, torch.Tensor] = {}
 
     # -- step protocol -------------------------------------------------------------------------------------------
-    def begin(self, mode: str, left_pad: torch.Tensor | None = None) -> None:
-        """Declare what the next forward is. `left_pad` (prefill only) counts each row's leading pad tokens."""
+    def begin(self, mode: str, left_pad: torch.Tensor | None = None, verify_end: torch.Tensor | None = None) -> None:
+        """Declare what the next forward is.
+
+        `left_pad` (prefill only) counts each row's leading pad tokens. `verify_end` (verify only) is where each
+        row's verified tokens end: the forward's last token lands in slot `verify_end - 1`, whatever prefix of the
+        sequence the caller re-feeds (HF's assisted loop feeds the whole prompt with its first verification).
+        """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "draft" and not self.has_selection:
             raise RuntimeError("A draft forward needs a selection: run a prefill or verify forward first.")
         self.mode = mode
         self.left_pad = left_pad if left_pad is not None else torch.zeros_like(self.lengths)
+        self.verify_end = verify_end
 
     def _start_forward(self, num_tokens: int) -> None:
         """Called at layer 0: reserve the slots of this forward's new tokens for every row."""
-        self.write_start = self.lengths
+        if self.mode == "verify" and self.verify_end is not None:
+            self.write_start = (self.verify_end - num_tokens).clamp_min(0)
+        else:
+            self.write_start = self.lengths
         offsets = torch.arange(num_tokens, device=self.device)
         slots = self.write_start[:, None] + offsets[None, :] - self.left_pad[:, None]
         self.write_slots = torch.where(slots >= self.write_start[:, None], slots, self.capacity)
@@ -134,8 +144,12 @@ class VegasCache(Cache):
         if self.mode in ("prefill", "verify"):
             # Candidates for the next selection: prefill rates the whole prompt; verification rates the prefix
             # plus the first query position (the slots both collected rows see), as in the reference design.
-            self.sel_end = self.lengths if self.mode == "prefill" else self.write_start + 1
+            self.sel_end = self.lengths if self.mode == "prefill" else self.write_start + self.first_verify_row(num_tokens) + 1
             self.sel_count = budget_tensor(self.sel_end, self.vegas_config)
+
+    def first_verify_row(self, num_tokens: int) -> int:
+        """Row of the pending token in a verify forward: the first of its last `gamma + 1` rows."""
+        return max(num_tokens - self.vegas_config.gamma - 1, 0)
 
     def query_slots(self, num_tokens: int) -> torch.Tensor:
         """Slot (= position) of each query of the current forward, `(B, T)`; pad queries are clamped to slot 0."""

