@@ -2,7 +2,7 @@
 
 Rows of a Vegas batch advance by different amounts, so a row's history (what `generate` would pass to a logits
 processor as `input_ids`) has its own length. Processors that never look at the history run once for the batch;
-any other processor runs row by row on exactly the history vanilla `generate` would have shown it.
+any other processor runs once per distinct history length, on exactly the history vanilla `generate` would have shown it.
 """
 
 from __future__ import annotations
@@ -43,10 +43,16 @@ class LogitsPipeline:
         scores = logits.to(dtype=torch.float32, copy=True)
         if len(self.processors) == 0:
             return scores
-        if self.batched or len(set(history)) == 1:
+        lengths = sorted(set(history))
+        if self.batched or len(lengths) == 1:
             return self.processors(tokens[:, : history[0]], scores)
-        rows = [self.processors(tokens[b : b + 1, :h], scores[b : b + 1]) for b, h in enumerate(history)]
-        return torch.cat(rows, dim=0)
+        # Processors may keep per-row state sized to the batch (e.g. the repetition penalty's prompt lengths), so
+        # each call sees the whole batch at one history length, and only the rows of that length are kept.
+        out = torch.empty_like(scores)
+        for length in lengths:
+            rows = torch.tensor([b for b, h in enumerate(history) if h == length], device=scores.device)
+            out[rows] = self.processors(tokens[:, :length], scores.clone())[rows]
+        return out
 
 
 def choose(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Vanilla `generate` checks its stopping criteria after every token. Vegas accepts several tokens at once, so it
 finds the first token after which vanilla would have stopped: the length budget and EOS are vectorised; any other
-criterion (stop strings, custom criteria) is asked row by row on exactly the history vanilla would have passed.
+criterion (stop strings, custom criteria) is asked once per distinct history length, on exactly the history vanilla would have passed.
 """
 
 from __future__ import annotations
@@ -45,13 +45,21 @@ class ChunkStopper:
         return keep, stopped
 
     def _check_others(self, tokens, history, keep, stopped):
-        keep_host = keep.tolist()
-        new_keep, new_stop = list(keep_host), stopped.tolist()
-        for b, (h, k) in enumerate(zip(history, keep_host)):
-            for j in range(k):
-                prefix = tokens[b : b + 1, : h + j + 1]
-                if any(bool(c(prefix, None).any()) for c in self.others):
-                    new_keep[b], new_stop[b] = j + 1, True
-                    break
+        """Ask the other criteria once per distinct history length, on the whole batch (criteria may keep per-row
+        state), and cut each row at its first position where any says stop."""
+        keep_host, stop_host = keep.tolist(), stopped.tolist()
+        first_hit = [None] * len(history)
+        lengths = sorted({h + j + 1 for h, k in zip(history, keep_host) for j in range(k)})
+        for length in lengths:
+            says_stop = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+            for criterion in self.others:
+                says_stop |= criterion(tokens[:, :length], None).to(says_stop.device)
+            for b, flag in enumerate(says_stop.tolist()):
+                j = length - history[b] - 1
+                if flag and first_hit[b] is None and 0 <= j < keep_host[b]:
+                    first_hit[b] = j
+        for b, j in enumerate(first_hit):
+            if j is not None:
+                keep_host[b], stop_host[b] = j + 1, True
         device = keep.device
-        return torch.tensor(new_keep, device=device), torch.tensor(new_stop, device=device)
+        return torch.tensor(keep_host, device=device), torch.tensor(stop_host, device=device)

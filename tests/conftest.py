@@ -1,0 +1,16 @@
+import pytest
+import torch
+
+import hf_vegas  # noqa: F401  (registers the "vegas" attention and short name)
+from hf_vegas.real_models import load_smollm2
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """Real SmolLM2-135M-Instruct in fp32 on the CPU, with its tokenizer."""
+    return load_smollm2(torch.float32)

@@ -1,0 +1,108 @@
+"""Greedy Vegas output is token-identical to vanilla greedy `generate` (CPU, fp32)."""
+
+import pytest
+import torch
+
+import hf_vegas
+from tiny_models import BUILDERS, ragged_batch, tiny_model
+
+# Long enough that the budget (8 of ~80 candidates) really drops tokens.
+SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=8)
+SHAPES = {"batch1": [80], "ragged3": [80, 61, 37]}
+
+
+@pytest.mark.parametrize("gamma", [1, 4, 8])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("arch", list(BUILDERS))
+def test_greedy_matches_vanilla(arch, shape, gamma):
+    model = tiny_model(arch)
+    ids, mask = ragged_batch(SHAPES[shape])
+    common = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **common)
+    out = model.generate(
+        ids, **common, custom_generate=hf_vegas.generate, vegas_gamma=gamma, return_dict_in_generate=True, **SPARSE
+    )
+    torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
+    cache = out.past_key_values
+    assert bool((cache.sel_count < cache.sel_end).all()), "the selection must drop tokens for this test to mean much"
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("policy", ["vegas", "streaming", "last_token"])
+@pytest.mark.parametrize("score", ["logits", "weights"])
+def test_every_policy_and_score_is_lossless(policy, score):
+    model = tiny_model("llama", seed=1)
+    ids, mask = ragged_batch([70, 44], seed=1)
+    common = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **common)
+    out = model.generate(
+        ids, **common, custom_generate="vegas", vegas_gamma=4, vegas_policy=policy, vegas_score=score, **SPARSE
+    )
+    assert torch.equal(out, expected)
+
+
+def test_dense_budget_accepts_every_draft():
+    """With the whole prefix selected the draft is the target, so greedy accepts all gamma drafts."""
+    model = tiny_model("qwen3")
+    ids, mask = ragged_batch([50, 30])
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, custom_generate="vegas",
+        vegas_gamma=3, vegas_sparsity=1.0, vegas_min_tokens=1, return_dict_in_generate=True,
+    )
+    assert out.accepted.tolist() == [[3, 3, 3, 3]] * 2  # 1 token at prefill + 4 iterations x 4 tokens = 17 >= 16
+
+
+def test_history_dependent_processors_per_row():
+    """Repetition penalty, n-gram blocking and min length see each row's own history, as in vanilla."""
+    model = tiny_model("llama", seed=2)
+    ids, mask = ragged_batch([60, 23, 41], seed=2)
+    common = dict(
+        attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0,
+        repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=10, eos_token_id=5,
+    )
+    expected = model.generate(ids, **common)
+    out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=4, **SPARSE)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 13])
+def test_max_new_tokens_inside_a_chunk(max_new_tokens):
+    model = tiny_model("gemma3")
+    ids, mask = ragged_batch([40, 33])
+    common = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **common)
+    out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=5, vegas_sparsity=1.0, vegas_min_tokens=1)
+    assert torch.equal(out, expected)
+
+
+def test_eos_inside_a_chunk_pads_finished_rows():
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([80, 61, 37])
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    eos = int(free[0, ids.shape[1] + 5])  # a token row 0 emits mid-way, so it stops inside an accepted chunk
+    common = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    expected = model.generate(ids, **common)
+    out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=6, vegas_sparsity=1.0, vegas_min_tokens=1)
+    assert expected.shape[1] < free.shape[1] or (expected == eos).any()
+    assert torch.equal(out, expected)
+
+
+def test_custom_stopping_criterion_without_eos_keeps_decoding_finished_rows():
+    """Without EOS, vanilla keeps generating real tokens for rows a custom criterion stopped; so does Vegas."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopOnToken(StoppingCriteria):
+        def __init__(self, token):
+            self.token = token
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == self.token
+
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([80, 61, 37])
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    criteria = lambda: StoppingCriteriaList([StopOnToken(int(free[1, ids.shape[1] + 3]))])  # noqa: E731
+    common = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **common, stopping_criteria=criteria())
+    out = model.generate(ids, **common, stopping_criteria=criteria(), custom_generate=hf_vegas.generate, vegas_gamma=4)
+    assert torch.equal(out, expected)
