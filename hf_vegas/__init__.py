@@ -7,7 +7,7 @@ from .attention import register as register_attention
 from .cache import VegasCache
 from .candidate import VegasCandidateGenerator
 from .config import VegasConfig
-from .generate import generate
+from .decoding import generate
 from .names import enable_short_name, generate_from_name
 from .output import VegasGenerateOutput
 

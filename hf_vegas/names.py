@@ -13,7 +13,7 @@ import copy
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
-from .generate import generate
+from .decoding import generate
 
 SHORT_NAME = "vegas"
 

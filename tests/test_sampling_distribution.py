@@ -1,0 +1,103 @@
+"""Sampling keeps vanilla's distribution: Vegas samples against the exact distribution of vanilla sampling.
+
+The exact distribution of the next 3 tokens is enumerated from vanilla `generate`'s own processed scores
+(temperature, top-k, top-p); Vegas draws N independent rows of one batch; a chi-square test compares them. A
+negative control runs the same test with a wrong draft probability and must fail, so the test has power.
+"""
+
+import math
+
+import pytest
+import torch
+
+import hf_vegas
+import hf_vegas.decoding as decoding
+from hf_vegas import sampling
+from tiny_models import tiny_model
+
+SAMPLING = dict(do_sample=True, temperature=1.3, top_k=6, top_p=0.9)
+NEW_TOKENS = 3
+ROWS = 3000
+
+
+def exact_distribution(model, prompt):
+    """{token tuple: probability} of the next NEW_TOKENS tokens under vanilla sampling."""
+    paths = {(): 1.0}
+    for _ in range(NEW_TOKENS):
+        prefixes = list(paths)
+        ids = torch.cat([prompt.repeat(len(prefixes), 1), torch.tensor([list(p) for p in prefixes]).long()], dim=1)
+        out = model.generate(ids, max_new_tokens=1, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+                             **SAMPLING)
+        probs = torch.softmax(out.scores[0].double(), dim=-1)
+        paths = {
+            (*prefix, token): paths[prefix] * float(probs[row, token])
+            for row, prefix in enumerate(prefixes)
+            for token in torch.nonzero(probs[row] > 0).flatten().tolist()
+        }
+    return paths
+
+
+def chi_square_p_value(counts: dict, expected: dict, total: int) -> float:
+    """Pearson chi-square with cells of expected count < 5 merged; p-value by the Wilson-Hilferty approximation."""
+    stat, small_obs, small_exp, cells = 0.0, 0, 0.0, 0
+    for key, p in expected.items():
+        e, o = p * total, counts.get(key, 0)
+        if e < 5:
+            small_obs, small_exp = small_obs + o, small_exp + e
+        else:
+            stat, cells = stat + (o - e) ** 2 / e, cells + 1
+    unseen = total - sum(counts.get(k, 0) for k in expected)  # samples outside the support: impossible tokens
+    small_obs += unseen
+    if small_exp > 0:
+        stat, cells = stat + (small_obs - small_exp) ** 2 / small_exp, cells + 1
+    elif small_obs:
+        return 0.0
+    dof = cells - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def vegas_samples(model, prompt, **vegas):
+    torch.manual_seed(1234)
+    out = model.generate(prompt.repeat(ROWS, 1), max_new_tokens=NEW_TOKENS, pad_token_id=0,
+                         custom_generate=hf_vegas.generate, return_dict_in_generate=True, **SAMPLING, **vegas)
+    counts = {}
+    for row in out.sequences[:, prompt.shape[1]:].tolist():
+        counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    return counts, out
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model("llama", seed=3)
+    prompt = torch.randint(1, 128, (1, 48), generator=torch.Generator().manual_seed(3))
+    return model, prompt, exact_distribution(model, prompt)
+
+
+# A tiny budget makes the sparse draft clearly differ from the target, which is what the control needs.
+DRAFT = dict(vegas_gamma=2, vegas_sparsity=0.05, vegas_min_tokens=2)
+
+
+@pytest.mark.parametrize("policy", ["vegas", "streaming"])
+def test_vegas_sampling_matches_vanilla_distribution(setup, policy):
+    model, prompt, expected = setup
+    counts, out = vegas_samples(model, prompt, vegas_policy=policy, **DRAFT)
+    p_value = chi_square_p_value(counts, expected, ROWS)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / ROWS - expected.get(k, 0.0)) for k in set(counts) | set(expected))
+    print(f"policy={policy} p={p_value:.3g} TV={tv:.3f} tokens/iteration={out.tokens_per_iteration:.2f}")
+    assert (out.accepted < DRAFT["vegas_gamma"]).any(), "some drafts must be rejected to exercise resampling"
+    assert p_value > 1e-3
+
+
+def test_wrong_draft_probability_is_detected(setup, monkeypatch):
+    """Control: accepting with q = 1 (no draft probabilities, as in vLLM #40149) must fail the same test."""
+    model, prompt, expected = setup
+
+    def accept_without_q(draft, draft_scores, target_scores):
+        return sampling.accept_sampling(draft, torch.zeros_like(draft_scores), target_scores)
+
+    monkeypatch.setattr(decoding, "accept_sampling", accept_without_q)
+    counts, _ = vegas_samples(model, prompt, **DRAFT)
+    p_value = chi_square_p_value(counts, expected, ROWS)
+    print(f"control p={p_value:.3g}")
+    assert p_value < 1e-6
