@@ -1,0 +1,159 @@
+"""Bad input fails before any forward pass with an error naming the argument; the model is left as it was."""
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StaticCache
+
+import hf_vegas
+from hf_vegas import VegasConfig
+from tiny_models import ragged_batch, tiny_model
+
+
+@pytest.fixture
+def model_and_counter():
+    model = tiny_model("llama")
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    yield model, forwards
+    handle.remove()
+
+
+IDS, MASK = ragged_batch([20, 12])
+
+BAD = [
+    (dict(vegas_gamma=0), "vegas_gamma"),
+    (dict(vegas_gamma=2.5), "vegas_gamma"),
+    (dict(vegas_sparsity=0.0), "vegas_sparsity"),
+    (dict(vegas_sparsity=1.5), "vegas_sparsity"),
+    (dict(vegas_min_tokens=0), "vegas_min_tokens"),
+    (dict(vegas_score="softmax"), "vegas_score"),
+    (dict(vegas_policy="quest"), "vegas_policy"),
+    (dict(vegas_backend="cuda"), "vegas_backend"),
+    (dict(vegas_backend="triton"), "vegas_backend"),
+    (dict(vegas_config="fast"), "vegas_config"),
+    (dict(vegas_config={"gama": 3}), "gama"),
+    (dict(num_beams=2), "num_beams"),
+    (dict(cache_implementation="static"), "cache_implementation"),
+    (dict(use_cache=False), "use_cache"),
+    (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
+    (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
+    (dict(token_type_ids=torch.zeros_like(IDS)), "token_type_ids"),
+]
+
+
+@pytest.mark.parametrize("entry", ["callable", "short_name"])
+@pytest.mark.parametrize("kwargs,named", BAD, ids=[str(n) + "-" + str(k)[:30] for k, n in BAD])
+def test_bad_input_raises_before_any_forward(model_and_counter, entry, kwargs, named):
+    model, forwards = model_and_counter
+    custom = hf_vegas.generate if entry == "callable" else "vegas"
+    with pytest.raises((ValueError, TypeError, NotImplementedError), match=named):
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, pad_token_id=0, custom_generate=custom, **kwargs)
+    assert forwards == []
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_unknown_vegas_key_is_an_error(model_and_counter):
+    model, forwards = model_and_counter
+    with pytest.raises(ValueError, match="vegas_gama"):  # ours, listing the allowed keys
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas", vegas_gama=3)
+    with pytest.raises(ValueError, match="vegas_gama"):  # transformers' unused-model-kwargs check
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate=hf_vegas.generate, vegas_gama=3)
+    assert forwards == []
+
+
+def test_passed_in_cache_is_refused(model_and_counter):
+    model, forwards = model_and_counter
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    with pytest.raises(ValueError, match="past_key_values"):
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas", past_key_values=cache)
+    assert forwards == []
+
+
+def test_right_padding_is_refused(model_and_counter):
+    model, forwards = model_and_counter
+    with pytest.raises(ValueError, match="left padding"):
+        model.generate(IDS, attention_mask=MASK.flip(1), max_new_tokens=5, pad_token_id=0, custom_generate="vegas")
+    assert forwards == []
+
+
+def test_training_mode_is_refused(model_and_counter):
+    model, forwards = model_and_counter
+    model.train()
+    with pytest.raises(ValueError, match="eval"):
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, pad_token_id=0, custom_generate="vegas")
+    assert forwards == []
+
+
+def test_encoder_decoder_is_refused():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, decoder_start_token_id=0)
+    model = T5ForConditionalGeneration(config).eval()
+    with pytest.raises(ValueError, match="decoder-only"):
+        model.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=3, custom_generate=hf_vegas.generate)
+
+
+def test_unsupported_attention_type_is_refused():
+    """Bloom's attention (ALiBi) does not go through AttentionInterface, so it cannot be switched to drafting."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    model = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)).eval()
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    with pytest.raises(ValueError, match="unsupported attention type"):
+        model.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=3, custom_generate="vegas")
+    assert forwards == [] and model.config._attn_implementation != "vegas"
+
+
+def test_streamer_needs_batch_one(model_and_counter):
+    from transformers.generation.streamers import BaseStreamer
+
+    class Quiet(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    model, forwards = model_and_counter
+    with pytest.raises(ValueError, match="streamer"):
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, pad_token_id=0, custom_generate=hf_vegas.generate,
+                       streamer=Quiet())
+    assert forwards == []
+
+
+class Boom(LogitsProcessor):
+    """Raises on its third call: in the middle of Vegas' first draft."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("boom")
+        return scores
+
+
+def test_model_is_restored_after_an_error_mid_way():
+    model = tiny_model("llama")
+    expected = model.generate(IDS, attention_mask=MASK, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with pytest.raises(RuntimeError, match="boom"):
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=8, pad_token_id=0, custom_generate="vegas",
+                       logits_processor=LogitsProcessorList([Boom()]))
+    assert model.config._attn_implementation == "sdpa"
+    again = model.generate(IDS, attention_mask=MASK, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(again, expected)
+
+
+def test_vegas_attention_outside_generation_is_a_clear_error():
+    model = tiny_model("llama")
+    model.set_attn_implementation("vegas")
+    with pytest.raises(RuntimeError, match="only runs inside hf_vegas generation"):
+        model(IDS)
+
+
+def test_config_repr_and_dict():
+    config = VegasConfig(gamma=3, policy="streaming")
+    assert repr(config) == "VegasConfig(gamma=3, policy='streaming')"
+    assert VegasConfig(**config.to_dict()) == config

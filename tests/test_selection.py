@@ -1,0 +1,130 @@
+"""Selection equals a brute-force reading of the paper's Eq. 3 (Collect-2-Query), and the reference masks mean what
+they say."""
+
+import math
+import types
+
+import pytest
+import torch
+
+from hf_vegas import VegasConfig
+from hf_vegas.attention import active_cache, vegas_attention_forward
+from hf_vegas.cache import VegasCache
+from hf_vegas.ops import reference
+from tiny_models import tiny_model
+
+
+def brute_force_eq3(q_first, q_last, keys, num_candidates, budget, scaling, groups, score):
+    """T = argmax_{|T|=k} sum_h sum_{i in T} (l_1i^h + l_{g+1,i}^h) over the candidates, one row, by loops."""
+    heads = q_first.shape[0]
+    totals = []
+    for i in range(num_candidates):
+        total = 0.0
+        for h in range(heads):
+            k = keys[i, h // groups].double()
+            for q in (q_first, q_last):
+                total += float(q[h].double() @ k) * scaling if score == "logits" else 0.0
+        totals.append(total)
+    if score == "weights":  # softmax weights of each row over the slots it sees, summed over heads and rows
+        totals = [0.0] * num_candidates
+        for q, visible in ((q_first, num_candidates), (q_last, keys.shape[0])):
+            for h in range(heads):
+                logits = [float(q[h].double() @ keys[j, h // groups].double()) * scaling for j in range(visible)]
+                m = max(logits)
+                z = sum(math.exp(x - m) for x in logits)
+                for i in range(num_candidates):
+                    totals[i] += math.exp(logits[i] - m) / z
+    return set(sorted(range(num_candidates), key=lambda i: -totals[i])[:budget])
+
+
+@pytest.mark.parametrize("score", ["logits", "weights"])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_verify_selection_is_eq3(score, groups):
+    torch.manual_seed(0)
+    batch, kv_heads, dim, gamma = 3, 2, 16, 4
+    heads = kv_heads * groups
+    config = VegasConfig(gamma=gamma, sparsity=0.2, min_tokens=5, score=score)
+    model_config = types.SimpleNamespace(
+        get_text_config=lambda decoder=True: types.SimpleNamespace(num_hidden_layers=1, layer_types=None)
+    )
+    cache = VegasCache(model_config, batch, capacity=64, vegas_config=config)
+    prefix = torch.tensor([40, 17, 29])  # committed lengths; verify writes gamma + 1 tokens after them
+    cache.lengths = prefix.clone()
+    keys = torch.randn(batch, gamma + 1, kv_heads, dim)
+    cache.begin("verify")
+    k_all, v_all = cache.update(keys.transpose(1, 2), keys.transpose(1, 2), 0)
+    k_all[:, :, :] = torch.randn_like(k_all)  # arbitrary cached prefix
+    q = torch.randn(batch, heads, gamma + 1, dim)
+    module = types.SimpleNamespace(layer_idx=0, head_dim=dim)
+    with active_cache(cache):
+        vegas_attention_forward(module, q, k_all, v_all, None, scaling=dim**-0.5)
+    for b in range(batch):
+        candidates = int(prefix[b]) + 1  # the prefix plus the first query position
+        budget = config.budget(candidates)
+        assert int(cache.sel_end[b]) == candidates and int(cache.sel_count[b]) == budget < candidates
+        ours = set(cache.sel_idx[0, b, :budget].tolist())
+        expected = brute_force_eq3(q[b, :, 0], q[b, :, -1], k_all[b, : candidates + gamma], candidates, budget,
+                                   dim**-0.5, groups, score)
+        assert ours == expected
+
+
+@pytest.mark.parametrize("length,expected", [(100, 100), (4000, 280), (10, 10), (3658, 257), (3657, 256)])
+def test_budget(length, expected):
+    assert VegasConfig().budget(length) == expected == min(max(math.ceil(0.07 * length), 256), length)
+
+
+def test_draft_mask_is_selection_plus_tail():
+    sel_idx = torch.tensor([[5, 1, 3, 0], [2, 7, 0, 0]])
+    sel_count = torch.tensor([3, 2])
+    sel_end = torch.tensor([8, 9])
+    kv_len = torch.tensor([11, 10])
+    q_slot = (kv_len - 1)[:, None]
+    visible = reference.draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, num_slots=12)[:, 0]
+    assert torch.nonzero(visible[0]).flatten().tolist() == [1, 3, 5, 8, 9, 10]
+    assert torch.nonzero(visible[1]).flatten().tolist() == [2, 7, 9]
+
+
+def test_streaming_selection_is_sinks_plus_recent():
+    idx = reference.streaming_select(torch.tensor([6, 3]), torch.tensor([20, 3]), k_max=7, sink=4)
+    assert idx[0, :6].tolist() == [0, 1, 2, 3, 18, 19]
+    assert sorted(idx[1, :3].tolist()) == [0, 1, 2]
+
+
+def test_sparse_attention_equals_dense_attention_over_the_gathered_slots():
+    """The masked reference equals plain attention over an explicit gather of the visible slots."""
+    torch.manual_seed(1)
+    batch, heads, kv_heads, dim, slots = 2, 6, 2, 8, 30
+    q = torch.randn(batch, heads, 1, dim)
+    k, v = torch.randn(batch, slots, kv_heads, dim), torch.randn(batch, slots, kv_heads, dim)
+    sel_idx = torch.tensor([[3, 11, 4, 0, 0], [7, 1, 2, 9, 13]])
+    sel_count, sel_end, kv_len = torch.tensor([3, 5]), torch.tensor([15, 20]), torch.tensor([19, 24])
+    q_slot = (kv_len - 1)[:, None]
+    out = reference.sparse_draft_attention(q, k, v, q_slot, kv_len, sel_idx, sel_count, sel_end, dim**-0.5)
+    for b in range(batch):
+        keep = sorted(set(sel_idx[b, : sel_count[b]].tolist()) | set(range(int(sel_end[b]), int(kv_len[b]))))
+        kb = k[b, keep].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # (H, n, D)
+        vb = v[b, keep].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        weights = torch.softmax((q[b] @ kb.transpose(-1, -2)) * dim**-0.5, dim=-1)
+        torch.testing.assert_close(out[b, 0], (weights @ vb)[:, 0], rtol=1e-5, atol=1e-6)
+
+
+def test_sliding_layers_are_never_sparsified():
+    """Gemma-3: only its full-attention layer gets a draft selection; sliding layers keep their window."""
+    model = tiny_model("gemma3")
+    calls = []
+    original = reference.sparse_draft_attention
+
+    def spy(*args, **kwargs):
+        calls.append(True)
+        return original(*args, **kwargs)
+
+    reference.sparse_draft_attention, restore = spy, original
+    try:
+        ids = torch.randint(1, 128, (1, 60))
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, custom_generate="vegas", vegas_gamma=2,
+                             vegas_min_tokens=4, return_dict_in_generate=True)
+    finally:
+        reference.sparse_draft_attention = restore
+    full_layers = model.config.layer_types.count("full_attention")
+    draft_forwards = 2 * out.accepted.shape[1]
+    assert len(calls) == full_layers * draft_forwards
