@@ -1,0 +1,88 @@
+"""The three ways in (callable, "vegas", Hub-style folder), HF's own assisted loop, streaming and outputs."""
+
+from pathlib import Path
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+import hf_vegas
+from hf_vegas.assisted import assisted_generate
+from tiny_models import ragged_batch, tiny_model
+
+HUB_FOLDER = Path(__file__).resolve().parents[1] / "examples" / "hub"
+SPARSE = dict(vegas_gamma=4, vegas_sparsity=0.1, vegas_min_tokens=8)
+
+
+def test_three_entry_points_agree_with_vanilla():
+    model = tiny_model("qwen3")
+    ids, mask = ragged_batch([70, 52])
+    common = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **common)
+    assert torch.equal(model.generate(ids, **common, custom_generate=hf_vegas.generate, **SPARSE), expected)
+    assert torch.equal(model.generate(ids, **common, custom_generate="vegas", **SPARSE), expected)
+    hub = model.generate(ids, **common, custom_generate=str(HUB_FOLDER), trust_remote_code=True, **SPARSE)
+    assert torch.equal(hub, expected)
+    config = hf_vegas.VegasConfig(gamma=4, sparsity=0.1, min_tokens=8)
+    assert torch.equal(model.generate(ids, **common, custom_generate="vegas", vegas_config=config), expected)
+
+
+def test_other_custom_generate_strings_keep_transformers_behaviour(tmp_path):
+    import pytest
+
+    model = tiny_model("llama")
+    with pytest.raises(OSError):
+        model.generate(torch.ones(1, 3, dtype=torch.long), custom_generate=str(tmp_path), trust_remote_code=True)
+
+
+def test_hf_assisted_decoding_loop_with_vegas_drafter():
+    model = tiny_model("llama")
+    ids = torch.randint(1, 128, (1, 60), generator=torch.Generator().manual_seed(5))
+    expected = model.generate(ids, max_new_tokens=20, do_sample=False)
+    for policy in ("vegas", "last_token"):
+        out = assisted_generate(model, ids, max_new_tokens=20, do_sample=False, vegas_policy=policy, **SPARSE)
+        assert torch.equal(out, expected)
+    assert model.config._attn_implementation == "sdpa"
+    assert "_get_candidate_generator" not in vars(model)
+
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_prompt_then_every_token_in_order():
+    model = tiny_model("gemma3")
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(6))
+    for custom in (hf_vegas.generate, "vegas"):
+        streamer = Recorder()
+        out = model.generate(ids, max_new_tokens=15, do_sample=False, custom_generate=custom, streamer=streamer,
+                             **SPARSE)
+        streamed = [t for chunk in streamer.chunks for t in chunk]
+        assert streamed == out[0].tolist() and streamer.ended
+
+
+def test_return_dict_reports_acceptance():
+    model = tiny_model("mistral")
+    ids, mask = ragged_batch([50, 30, 44])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                         custom_generate="vegas", return_dict_in_generate=True, **SPARSE)
+    assert isinstance(out, hf_vegas.VegasGenerateOutput)
+    assert isinstance(out.past_key_values, hf_vegas.VegasCache)
+    assert out.accepted.shape[0] == 3 and int(out.accepted.max()) <= 4
+    active = out.accepted[out.accepted >= 0]
+    assert out.tokens_per_iteration == float((active + 1).float().mean())
+
+
+def test_num_return_sequences_with_sampling():
+    model = tiny_model("llama")
+    ids = torch.randint(1, 128, (2, 30), generator=torch.Generator().manual_seed(7))
+    out = model.generate(ids, max_new_tokens=6, do_sample=True, num_return_sequences=3, custom_generate="vegas",
+                         **SPARSE)
+    assert out.shape == (6, 36)
+    assert torch.equal(out[:3, :30], ids[:1].repeat(3, 1))

