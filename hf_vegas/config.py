@@ -32,9 +32,10 @@ class VegasConfig:
             Fraction of the prefix that draft attention reads, in `(0, 1]`, per (sequence, full-attention layer).
         min_tokens (`int`, *optional*, defaults to 256):
             Lower bound of the per-sequence budget: `budget = clamp(ceil(sparsity * len), min_tokens, len)`.
-        score (`str`, *optional*, defaults to `"logits"`):
+        score (`str`, *optional*, defaults to `"weights"`):
             How verification rates prefix tokens: `"logits"` averages the raw attention logits of the first draft row
-            and the bonus row over all query heads (paper Eq. 3); `"weights"` averages softmax weights instead.
+            and the bonus row over all query heads (paper Eq. 3); `"weights"` averages their softmax weights
+            instead (the reference implementation's default, and the better of the two on SmolLM2, see README).
         policy (`str`, *optional*, defaults to `"vegas"`):
             `"vegas"` selects from verification scores (Collect-2-Query); `"streaming"` is the StreamingLLM baseline
             (attention sinks + most recent tokens); `"last_token"` is the SpecExtend-style baseline that selects
@@ -47,7 +48,7 @@ class VegasConfig:
     gamma: int = 6
     sparsity: float = 0.07
     min_tokens: int = 256
-    score: str = "logits"
+    score: str = "weights"
     policy: str = "vegas"
     backend: str = "auto"
 
