@@ -11,7 +11,7 @@ import time
 
 import torch
 
-import hf_vegas
+import hf_vegas  # noqa: F401  (registers custom_generate="vegas")
 from hf_vegas.real_models import load_smollm2, long_prompt
 
 

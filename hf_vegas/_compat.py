@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from transformers.generation.utils import GenerationMixin
 
 
@@ -22,10 +21,9 @@ def streamer_from_generate_call():
     return None
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend that will run: only the PyTorch reference ships so far."""
+def check_backend(backend: str) -> None:
+    """Only the PyTorch reference ships so far: "auto" resolves to it, an explicit "triton" is refused."""
     if backend == "triton":
         raise NotImplementedError(
             "`vegas_backend='triton'` is not available in this version of hf_vegas yet; use 'torch' or 'auto'."
         )
-    return "torch"

@@ -1,7 +1,7 @@
 """The "vegas" attention function: draft (sparse) or verify/prefill (full + selection), per `VegasCache.mode`.
 
 It is registered through `transformers.AttentionInterface` and reaches the active cache through a context
-variable set by whoever drives the forwards (`hf_vegas.generate`, or `vegas_assisted` for HF's own loop):
+variable set by whoever drives the forwards (`hf_vegas.generate`, or `hf_vegas.assisted.assisted_generate`):
 transformers hands the attention function the layer's keys, not the cache object.
 """
 
@@ -57,8 +57,7 @@ def vegas_attention_forward(
         raise NotImplementedError("Attention sinks (`s_aux`, gpt-oss) are not supported by hf_vegas yet.")
     if scaling is None:
         scaling = module.head_dim**-0.5
-    num_tokens = query.shape[2]
-    q_slot = cache.query_slots(num_tokens)
+    q_slot = cache.query_slots
     full_layer = sliding_window is None
     if cache.mode == "draft" and full_layer:
         out = reference.sparse_draft_attention(
@@ -75,20 +74,13 @@ def vegas_attention_forward(
 def _select(cache: VegasCache, layer_idx: int, query, key, q_slot, scaling, softcap) -> None:
     """Choose the next draft's slots for this layer from this prefill/verify forward (no host sync)."""
     config = cache.vegas_config
-    if config.policy == "streaming":
+    if cache.score_rows is None:  # streaming: positions only
         idx = reference.streaming_select(cache.sel_count, cache.sel_end, cache.max_selected, STREAMING_SINK_TOKENS)
         cache.store_selection(layer_idx, idx)
         return
-    last = query.shape[2] - 1
-    if config.policy == "vegas" or cache.mode == "prefill":
-        # Collect-2-Query: the first and the last query row (after prefill: the last prompt row only).
-        first = cache.first_verify_row(last + 1)
-        rows = [last] if cache.mode == "prefill" else sorted({first, last})
-    else:  # last_token keeps every verify row until acceptance says which one was the last accepted
-        rows = list(range(cache.first_verify_row(last + 1), last + 1))
-    rows_t = torch.tensor(rows, device=query.device)
+    rows = cache.score_rows
     scores = reference.row_scores(
-        query[:, :, rows_t], key, q_slot[:, rows_t], cache.lengths, cache.sel_end, scaling, config.score, softcap
+        query[:, :, rows], key, q_slot[:, rows], cache.lengths, cache.sel_end, scaling, config.score, softcap
     )
     if config.policy == "last_token" and cache.mode == "verify":
         cache.row_scores[layer_idx] = scores

@@ -84,7 +84,7 @@ class VegasCache(Cache):
     Args:
         config (`PretrainedConfig`): the model config (its text config is used for the layer count and types).
         batch_size (`int`): number of rows.
-        capacity (`int`): slots per row; must hold the longest prompt + max_new_tokens + gamma + 1.
+        capacity (`int`): slots per row: the longest prompt + max_new_tokens + 2 * gamma + 1 (see `hf_vegas.decoding`).
         vegas_config (`VegasConfig`): selection policy and budget.
         device (`torch.device`): where the row bookkeeping lives (the KV buffers follow the model's tensors).
     """
@@ -104,6 +104,8 @@ class VegasCache(Cache):
         self.write_start = torch.zeros(batch_size, **long)
         self.left_pad = torch.zeros(batch_size, **long)
         self.write_slots = torch.zeros(batch_size, 1, **long)
+        self.query_slots = torch.zeros(batch_size, 1, **long)
+        self.score_rows: torch.Tensor | None = None
         self.mode = "verify"
         self.verify_end: torch.Tensor | None = None
         # Largest budget any row can need: the selection buffers are sized once, so no step reallocates.
@@ -132,29 +134,34 @@ class VegasCache(Cache):
         self.verify_end = verify_end
 
     def _start_forward(self, num_tokens: int) -> None:
-        """Called at layer 0: reserve the slots of this forward's new tokens for every row."""
+        """Called at layer 0: lay out this forward's tokens for every row, once for all layers."""
         if self.mode == "verify" and self.verify_end is not None:
             self.write_start = (self.verify_end - num_tokens).clamp_min(0)
         else:
             self.write_start = self.lengths
         offsets = torch.arange(num_tokens, device=self.device)
         slots = self.write_start[:, None] + offsets[None, :] - self.left_pad[:, None]
-        self.write_slots = torch.where(slots >= self.write_start[:, None], slots, self.capacity)
+        is_pad = offsets[None, :] < self.left_pad[:, None]
+        self.write_slots = torch.where(is_pad, self.capacity, slots)  # pads write into the scratch slot
+        self.query_slots = slots.clamp_min(0)  # pad queries look at slot 0 only so their softmax stays finite
         self.lengths = self.write_start + (num_tokens - self.left_pad)
-        if self.mode in ("prefill", "verify"):
-            # Candidates for the next selection: prefill rates the whole prompt; verification rates the prefix
-            # plus the first query position (the slots both collected rows see), as in the reference design.
-            self.sel_end = self.lengths if self.mode == "prefill" else self.write_start + self.first_verify_row(num_tokens) + 1
-            self.sel_count = budget_tensor(self.sel_end, self.vegas_config)
-
-    def first_verify_row(self, num_tokens: int) -> int:
-        """Row of the pending token in a verify forward: the first of its last `gamma + 1` rows."""
-        return max(num_tokens - self.vegas_config.gamma - 1, 0)
-
-    def query_slots(self, num_tokens: int) -> torch.Tensor:
-        """Slot (= position) of each query of the current forward, `(B, T)`; pad queries are clamped to slot 0."""
-        offsets = torch.arange(num_tokens, device=self.device)
-        return (self.write_start[:, None] + offsets[None, :] - self.left_pad[:, None]).clamp_min(0)
+        self.score_rows = None
+        if self.mode == "draft":
+            return
+        # Verification rates the prefix plus the pending token's slot (the slots every verify row sees); prefill
+        # rates the whole prompt, from its last row.
+        pending_row = max(num_tokens - self.vegas_config.gamma - 1, 0)
+        if self.mode == "prefill":
+            self.sel_end, rows = self.lengths, [num_tokens - 1]
+        else:
+            self.sel_end = self.write_start + pending_row + 1
+            if self.vegas_config.policy == "last_token":  # every row, until acceptance says which one to use
+                rows = list(range(pending_row, num_tokens))
+            else:  # Collect-2-Query: the first draft row (the pending token's) and the bonus row
+                rows = sorted({pending_row, num_tokens - 1})
+        self.sel_count = budget_tensor(self.sel_end, self.vegas_config)
+        if self.vegas_config.policy != "streaming":
+            self.score_rows = torch.tensor(rows, device=self.device)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == 0:

@@ -34,9 +34,14 @@ class VegasCandidateGenerator(CandidateGenerator):
         self.pipeline = LogitsPipeline(logits_processor)
         self.do_sample = do_sample
 
-    def forward(self, input_ids: torch.Tensor, mode: str, logits_to_keep: int, left_pad=None) -> torch.Tensor:
-        """One model forward in `mode`; positions continue each row's cache. Returns the kept logits."""
-        self.cache.begin(mode, left_pad)
+    def forward(self, input_ids: torch.Tensor, logits_to_keep: int, mode: str | None = None, left_pad=None):
+        """One model forward; positions continue each row's cache. Returns the kept logits.
+
+        `mode` declares the forward to the cache; `None` keeps what the cache was told last (after `draft`, the
+        verification of its drafts).
+        """
+        if mode is not None:
+            self.cache.begin(mode, left_pad)
         offsets = torch.arange(input_ids.shape[1], device=input_ids.device)
         position_ids = self.cache.lengths[:, None] + offsets[None, :]
         if left_pad is not None:
@@ -61,7 +66,7 @@ class VegasCandidateGenerator(CandidateGenerator):
         start = torch.tensor(history, device=tokens.device)
         ids, drafts, scores = pending[:, None], [], []
         for i in range(self.gamma):
-            logits = self.forward(ids, "draft", logits_to_keep=1)[:, -1]
+            logits = self.forward(ids, logits_to_keep=1, mode="draft")[:, -1]
             step_scores = self.pipeline(tokens, [h + i for h in history], logits)
             token = choose(step_scores, self.do_sample)
             tokens[rows, start + i] = token
@@ -79,7 +84,7 @@ class VegasCandidateGenerator(CandidateGenerator):
         cached = self.cache.get_seq_length()
         if cached < input_ids.shape[1] - 1:
             # HF feeds the prompt with the first verification; the drafter needs it cached (and a selection).
-            self.forward(input_ids[:, cached:-1], "prefill", logits_to_keep=1)
+            self.forward(input_ids[:, cached:-1], logits_to_keep=1, mode="prefill")
         width = input_ids.shape[1]
         tokens = torch.cat([input_ids, input_ids.new_zeros(1, self.gamma)], dim=1)
         drafts, scores = self.draft(input_ids[:, -1], tokens, [width])

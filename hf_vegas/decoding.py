@@ -67,7 +67,7 @@ def generate(
     validation.check_model_kwargs(model_kwargs)
     left_pad = validation.left_padding(input_ids, model_kwargs.get("attention_mask"))
     validation.check_streamer(streamer, input_ids.shape[0])
-    _compat.resolve_backend(config.backend, input_ids.device)
+    _compat.check_backend(config.backend)
 
     max_new = generation_config.max_length - input_ids.shape[1]
     if max_new <= 0:
@@ -89,7 +89,9 @@ def _finish(sequences, output, generation_config, streamer):
     if streamer is not None:
         streamer.end()
     if generation_config.return_dict_in_generate:
-        return output if output is not None else VegasGenerateOutput(sequences=sequences)
+        if output is None:  # nothing to generate
+            output = VegasGenerateOutput(sequences=sequences, accepted=sequences.new_zeros(sequences.shape[0], 0))
+        return output
     return sequences
 
 
@@ -108,47 +110,41 @@ class _Loop:
         # Every row's history in vanilla's layout (left pads, prompt, generated) plus room for one chunk.
         self.tokens = torch.zeros(batch, width + max_new + gamma + 1, dtype=input_ids.dtype, device=input_ids.device)
         self.tokens[:, :width] = input_ids
-        self.history = [width] * batch  # host copy: one sync per iteration
-        self.generated = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
-        self.finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+        # Row bookkeeping on the host, refreshed by the one synchronisation of each iteration (in `_commit`).
+        self.history = [width] * batch
+        self.generated = [0] * batch
+        self.finished = [False] * batch
         self.target_len: int | None = None  # set when every row has stopped but finished rows are not padded
 
     def run(self):
-        logits = self.drafter.forward(self.input_ids, "prefill", logits_to_keep=1, left_pad=self.left_pad)[:, -1]
-        first = choose(self.drafter.pipeline(self.tokens, self.history, logits), self.do_sample)
+        logits = self.drafter.forward(self.input_ids, logits_to_keep=1, mode="prefill", left_pad=self.left_pad)
+        first = choose(self.drafter.pipeline(self.tokens, self.history, logits[:, -1]), self.do_sample)
         self.pending = first
-        self._commit(first[:, None], torch.ones_like(first), active=torch.ones_like(self.finished))
+        everyone = torch.ones(first.shape[0], dtype=torch.bool, device=first.device)
+        self._commit(first[:, None], torch.ones_like(first), everyone)
         accepted = []
-        while True:
-            active = self._active()
-            if not bool(active.any()):
-                break
+        while any(active_host := self._active()):
+            active = torch.tensor(active_host, device=first.device)
             accepted.append(torch.where(active, self._iterate(active), -1))
-        width = self.input_ids.shape[1]
-        stats = torch.stack(accepted, dim=1) if accepted else self.generated.new_zeros(len(self.history), 0)
-        return self._sequences(width), stats
+        stats = torch.stack(accepted, dim=1) if accepted else first.new_zeros(first.shape[0], 0)
+        return self._sequences(self.input_ids.shape[1]), stats
 
-    def _active(self) -> torch.Tensor:
+    def _active(self) -> list[bool]:
         """Rows that still decode. Rows finished while others run on either pad (EOS set) or keep decoding."""
-        done = self.generated >= self.max_new
         if self.stopper.has_eos:
-            return ~(self.finished | done)
-        if self.target_len is None and bool(self.finished.all()):
-            self.target_len = int(self.generated.max())
-        if self.target_len is not None:
-            done |= self.generated >= self.target_len
-        return ~done
+            return [not f and g < self.max_new for f, g in zip(self.finished, self.generated)]
+        if self.target_len is None and all(self.finished):
+            self.target_len = max(self.generated)
+        limit = self.max_new if self.target_len is None else self.target_len
+        return [g < limit for g in self.generated]
 
     def _iterate(self, active: torch.Tensor) -> torch.Tensor:
         cache, gamma = self.cache, self.cache.vegas_config.gamma
         committed = cache.lengths
         drafts, draft_scores = self.drafter.draft(self.pending, self.tokens, self.history)
         verify_ids = torch.cat([self.pending[:, None], drafts], dim=1)
-        logits = self.drafter.forward(verify_ids, "verify", logits_to_keep=gamma + 1)
-        pipeline = self.drafter.pipeline
-        target_scores = torch.stack(
-            [pipeline(self.tokens, [h + i for h in self.history], logits[:, i]) for i in range(gamma + 1)], dim=1
-        )
+        logits = self.drafter.forward(verify_ids, logits_to_keep=gamma + 1)  # `draft` prepared the verification
+        target_scores = self.drafter.pipeline.positions(self.tokens, self.history, logits)
         if self.do_sample:
             n, nxt = accept_sampling(drafts, draft_scores, target_scores)
         else:
@@ -170,17 +166,18 @@ class _Loop:
         rows = torch.arange(chunk.shape[0], device=chunk.device)[:, None]
         old = self.tokens[rows, cols]
         self.tokens[rows, cols] = torch.where(active[:, None], chunk, old)
-        keep, stopped = self.stopper(self.tokens, self.history, chunk, chunk_len, self.max_new - self.generated)
-        keep = torch.where(active, keep, 0)
-        self.finished |= stopped & active
-        self.generated += keep
-        keep_host = keep.tolist()  # the iteration's one synchronisation
+        budget = torch.tensor([self.max_new - g for g in self.generated], device=chunk.device)
+        keep, stopped = self.stopper(self.tokens, self.history, chunk, chunk_len, budget)
+        keep, stopped = torch.where(active, keep, 0), stopped & active
+        keep_host, stopped_host = torch.stack([keep, stopped.long()]).tolist()  # the iteration's one sync
         if self.streamer is not None and keep_host[0]:
             self.streamer.put(chunk[0, : keep_host[0]].cpu())
         self.history = [h + k for h, k in zip(self.history, keep_host)]
+        self.generated = [g + k for g, k in zip(self.generated, keep_host)]
+        self.finished = [f or bool(s) for f, s in zip(self.finished, stopped_host)]
 
     def _sequences(self, width: int) -> torch.Tensor:
-        length = self.target_len if self.target_len is not None else int(self.generated.max())
+        length = self.target_len if self.target_len is not None else max(self.generated)
         out = self.tokens[:, : width + length].clone()
         if self.pad_id is not None:
             ends = torch.tensor(self.history, device=out.device)

@@ -23,8 +23,6 @@ def generate_from_name(model, **generate_arguments):
     args = {k: v for k, v in generate_arguments.items() if v is not None}
     if "assistant_model" in args:
         raise ValueError("hf_vegas drafts with the model itself: `assistant_model` cannot be combined with it.")
-    if args.pop("custom_generate", None) is not None:
-        raise ValueError("`custom_generate` was given twice.")
     tokenizer = args.pop("tokenizer", None)
     generation_config = args.get("generation_config")
     stop_strings = args.pop("stop_strings", None)

@@ -55,6 +55,16 @@ class LogitsPipeline:
         return out
 
 
+    def positions(self, tokens: torch.Tensor, history: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Process `(B, P, V)` logits where position `i` of row `b` follows history length `history[b] + i`."""
+        batch, num_positions, vocab = logits.shape
+        if self.batched:  # one call for every position
+            flat = self(tokens, history, logits.reshape(batch * num_positions, vocab))
+            return flat.reshape(batch, num_positions, vocab)
+        steps = [self(tokens, [h + i for h in history], logits[:, i]) for i in range(num_positions)]
+        return torch.stack(steps, dim=1)
+
+
 def choose(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     """Next token per row from processed scores `(B, V)`, exactly as vanilla `generate` picks it."""
     if do_sample:

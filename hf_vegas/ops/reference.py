@@ -84,7 +84,7 @@ def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_cou
     return masked_attention(q, k_cache, v_cache, visible, scaling, softcap)
 
 
-def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: str, softcap=None, window=None):
+def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: str, softcap=None):
     """Criticality of each candidate slot for the given query rows, averaged over query heads.
 
     Args:
@@ -96,7 +96,7 @@ def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: s
     """
     num_slots = k_cache.shape[1]
     logits = _logits(q_rows, k_cache, scaling, softcap)  # (B, Hq, R, S)
-    visible = _visible(q_slot_rows, kv_len, num_slots, window)[:, None]
+    visible = _visible(q_slot_rows, kv_len, num_slots, None)[:, None]  # full-attention layers only
     if score == "weights":
         values = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
     elif score == "logits":
