@@ -20,10 +20,3 @@ def streamer_from_generate_call():
         frame = frame.f_back
     return None
 
-
-def check_backend(backend: str) -> None:
-    """Only the PyTorch reference ships so far: "auto" resolves to it, an explicit "triton" is refused."""
-    if backend == "triton":
-        raise NotImplementedError(
-            "`vegas_backend='triton'` is not available in this version of hf_vegas yet; use 'torch' or 'auto'."
-        )

@@ -13,11 +13,12 @@ import types
 
 import torch
 
+from . import validation
 from .attention import active_cache, vegas_attention
 from .cache import VegasCache
 from .candidate import VegasCandidateGenerator
 from .config import resolve_config
-from . import validation
+from .ops import backend
 
 
 @contextlib.contextmanager
@@ -50,7 +51,8 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
         raise ValueError(f"HF's assisted decoding runs batch 1; got input_ids of shape {tuple(input_ids.shape)}.")
     validation.check_model(model)
     capacity = input_ids.shape[1] + max_new_tokens + 2 * config.gamma + 1
-    cache = VegasCache(model.config, 1, capacity, config, device=input_ids.device)
+    backend_name = backend.resolve_backend(config.backend, input_ids.device)
+    cache = VegasCache(model.config, 1, capacity, config, device=input_ids.device, backend=backend_name)
 
     def candidate_generator(self, generation_config, logits_processor, **unused):
         return VegasCandidateGenerator(self, cache, logits_processor, bool(generation_config.do_sample))

@@ -16,7 +16,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .cache import VegasCache
 from .config import STREAMING_SINK_TOKENS
-from .ops import reference
+from .ops import backend, reference
 
 ATTN_NAME = "vegas"
 
@@ -57,28 +57,63 @@ def vegas_attention_forward(
         raise NotImplementedError("Attention sinks (`s_aux`, gpt-oss) are not supported by hf_vegas yet.")
     if scaling is None:
         scaling = module.head_dim**-0.5
-    q_slot = cache.query_slots
     full_layer = sliding_window is None
+    kernels = _kernels_for(cache, query, key)
     if cache.mode == "draft" and full_layer:
-        out = reference.sparse_draft_attention(
-            query, key, value, q_slot, cache.lengths,
-            cache.sel_idx[module.layer_idx], cache.sel_count, cache.sel_end, scaling, softcap,
+        draft_attention = kernels.sparse_draft_attention if kernels else reference.sparse_draft_attention
+        extra = dict(list_len=cache.draft_list_len) if kernels else {}
+        out = draft_attention(
+            query, key, value, cache.query_slots, cache.lengths,
+            cache.sel_idx[module.layer_idx], cache.sel_count, cache.sel_end, scaling, softcap, **extra,
         )
+    elif kernels is not None and full_layer and cache.mode != "draft" and cache.score_rows is not None:
+        out, emitted, lse = kernels.verify_attention(
+            query, key, value, cache.query_slots, cache.lengths, scaling, cache.score_rows,
+            cache.vegas_config.score, softcap,
+        )
+        _select_from_emitted(cache, kernels, module.layer_idx, emitted, lse, query.shape[1])
     else:
-        out = reference.dense_attention(query, key, value, q_slot, cache.lengths, scaling, sliding_window, softcap)
+        dense = kernels.dense_attention if kernels else reference.dense_attention
+        out = dense(query, key, value, cache.query_slots, cache.lengths, scaling, sliding_window, softcap)
         if cache.mode != "draft" and full_layer:
-            _select(cache, module.layer_idx, query, key, q_slot, scaling, softcap)
+            _select(cache, module.layer_idx, query, key, scaling, softcap)
     return out, None
 
 
-def _select(cache: VegasCache, layer_idx: int, query, key, q_slot, scaling, softcap) -> None:
+# The kernels keep all `groups * tokens` query rows of a KV head in one tile; longer forwards (prefill) run the
+# reference ops, which are compute-bound there anyway.
+MAX_KERNEL_QUERY_ROWS = 64
+
+
+def _kernels_for(cache: VegasCache, query: torch.Tensor, key: torch.Tensor):
+    """The kernels module when this forward runs them, else None (reference ops)."""
+    if cache.backend != "triton":
+        return None
+    groups = query.shape[1] // key.shape[2]
+    return backend.kernels() if groups * query.shape[2] <= MAX_KERNEL_QUERY_ROWS else None
+
+
+def _select_from_emitted(cache: VegasCache, kernels, layer_idx: int, emitted, lse, q_heads: int) -> None:
+    """Kernel path of `_select`: turn the verification's emitted logits into the next selection."""
+    config = cache.vegas_config
+    keep_rows = config.policy == "last_token" and cache.mode == "verify"
+    scores = kernels.finalize_scores(
+        emitted, lse, cache.score_rows, cache.sel_end, q_heads, config.score == "weights", mean_rows=not keep_rows
+    )
+    if keep_rows:
+        cache.row_scores[layer_idx] = scores
+    else:
+        kernels.select_topk(scores[:, 0], cache.sel_count, cache.sel_end, cache.selection_buffer(layer_idx))
+
+
+def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap) -> None:
     """Choose the next draft's slots for this layer from this prefill/verify forward (no host sync)."""
     config = cache.vegas_config
     if cache.score_rows is None:  # streaming: positions only
         idx = reference.streaming_select(cache.sel_count, cache.sel_end, cache.max_selected, STREAMING_SINK_TOKENS)
         cache.store_selection(layer_idx, idx)
         return
-    rows = cache.score_rows
+    rows, q_slot = cache.score_rows, cache.query_slots
     scores = reference.row_scores(
         query[:, :, rows], key, q_slot[:, rows], cache.lengths, cache.sel_end, scaling, config.score, softcap
     )
@@ -92,7 +127,10 @@ def select_from_rows(cache: VegasCache, rows: torch.Tensor) -> None:
     """`last_token` policy: select, per row `b`, from the scores of verify row `rows[b]`."""
     for layer_idx, scores in cache.row_scores.items():
         picked = scores[cache.row_index, rows]  # (B, S)
-        cache.store_selection(layer_idx, reference.select_topk(picked, cache.max_selected))
+        if cache.backend == "triton":
+            backend.kernels().select_topk(picked, cache.sel_count, cache.sel_end, cache.selection_buffer(layer_idx))
+        else:
+            cache.store_selection(layer_idx, reference.select_topk(picked, cache.max_selected))
     cache.row_scores.clear()
 
 

@@ -87,9 +87,14 @@ class VegasCache(Cache):
         capacity (`int`): slots per row: the longest prompt + max_new_tokens + 2 * gamma + 1 (see `hf_vegas.decoding`).
         vegas_config (`VegasConfig`): selection policy and budget.
         device (`torch.device`): where the row bookkeeping lives (the KV buffers follow the model's tensors).
+        backend (`str`, *optional*, defaults to `"torch"`): the resolved attention ops, `"torch"` (reference) or
+            `"triton"` (see `hf_vegas.ops.backend.resolve_backend`).
     """
 
-    def __init__(self, config, batch_size: int, capacity: int, vegas_config: VegasConfig, device=None):
+    def __init__(self, config, batch_size: int, capacity: int, vegas_config: VegasConfig, device=None,
+                 backend: str = "torch"):
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"VegasCache backend must be 'torch' or 'triton' (resolve 'auto' first), got {backend!r}.")
         text_config = config.get_text_config(decoder=True)
         num_layers = text_config.num_hidden_layers
         layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
@@ -97,6 +102,7 @@ class VegasCache(Cache):
         self.batch_size_ = batch_size
         self.capacity = capacity
         self.vegas_config = vegas_config
+        self.backend = backend
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         long = dict(dtype=torch.long, device=self.device)
         self.row_index = torch.arange(batch_size, **long)
@@ -110,6 +116,9 @@ class VegasCache(Cache):
         self.verify_end: torch.Tensor | None = None
         # Largest budget any row can need: the selection buffers are sized once, so no step reallocates.
         self.max_selected = vegas_config.budget(capacity)
+        # A draft reads the selection plus the tail since `sel_end`: at most gamma accepted tokens and gamma drafts
+        # (+1 for prefill's pending token). Kernels size their splits with it; it is a hint, never a cut.
+        self.draft_list_len = self.max_selected + 2 * vegas_config.gamma + 1
         self.sel_idx = torch.zeros(num_layers, batch_size, self.max_selected, **long)
         self.sel_count = torch.zeros(batch_size, **long)
         self.sel_end = torch.zeros(batch_size, **long)
@@ -175,6 +184,11 @@ class VegasCache(Cache):
     def store_selection(self, layer_idx: int, indices: torch.Tensor) -> None:
         self.sel_idx[layer_idx].copy_(indices)
         self.has_selection = True
+
+    def selection_buffer(self, layer_idx: int) -> torch.Tensor:
+        """`sel_idx[layer_idx]` `(B, max_selected)`, for ops that write the selection in place."""
+        self.has_selection = True
+        return self.sel_idx[layer_idx]
 
     # -- transformers Cache API ----------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:

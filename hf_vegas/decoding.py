@@ -17,6 +17,7 @@ from .attention import active_cache, select_from_rows, vegas_attention
 from .cache import VegasCache
 from .candidate import VegasCandidateGenerator
 from .config import VegasConfig, resolve_config
+from .ops import backend
 from .output import VegasGenerateOutput
 from .sampling import accept_greedy, accept_sampling, choose
 from .stopping import ChunkStopper
@@ -67,7 +68,7 @@ def generate(
     validation.check_model_kwargs(model_kwargs)
     left_pad = validation.left_padding(input_ids, model_kwargs.get("attention_mask"))
     validation.check_streamer(streamer, input_ids.shape[0])
-    _compat.check_backend(config.backend)
+    backend_name = backend.resolve_backend(config.backend, input_ids.device)
 
     max_new = generation_config.max_length - input_ids.shape[1]
     if max_new <= 0:
@@ -76,7 +77,8 @@ def generate(
     # A row ends at most at prompt + max_new + gamma committed slots (it can stop inside its last chunk) and rows
     # that ended keep being drafted and verified, gamma + 1 slots further, until the whole batch ends.
     capacity = int(real_len.max()) + max_new + 2 * config.gamma + 1
-    cache = VegasCache(model.config, input_ids.shape[0], capacity, config, device=input_ids.device)
+    cache = VegasCache(model.config, input_ids.shape[0], capacity, config, device=input_ids.device,
+                       backend=backend_name)
     with vegas_attention(model), active_cache(cache):
         loop = _Loop(model, cache, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
                      generation_config, streamer)

@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # No GPU: the Triton kernels run in Triton's CPU interpreter. The switch is read when `hf_vegas_kernels` is
+    # imported (at `triton.jit`), so it is set here, before any test imports it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import hf_vegas  # noqa: F401  (registers the "vegas" attention and short name)
 from hf_vegas.real_models import load_smollm2

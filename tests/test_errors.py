@@ -29,7 +29,6 @@ BAD = [
     (dict(vegas_score="softmax"), "vegas_score"),
     (dict(vegas_policy="quest"), "vegas_policy"),
     (dict(vegas_backend="cuda"), "vegas_backend"),
-    (dict(vegas_backend="triton"), "vegas_backend"),
     (dict(vegas_config="fast"), "vegas_config"),
     (dict(vegas_config={"gama": 3}), "gama"),
     (dict(num_beams=2), "num_beams"),

@@ -1,0 +1,208 @@
+"""Kernel benchmark: time, bytes moved and achieved bandwidth of every hf_vegas kernel at real attention shapes.
+
+    python benchmarks/kernels.py                       # all shapes, batch {1, 8, 64}, context {8K, 32K, 128K}
+    python benchmarks/kernels.py --shapes qwen3-8b --batches 4 --contexts 32768
+
+For each (model shape, batch, context) that fits in memory it measures, with CUDA graphs (launch cost amortised)
+over enough cache copies that the working set exceeds L2:
+  draft      sparse draft decode attention, budget clamp(ceil(0.07 n), 256, n) + a 7-token tail;
+  dense      dense decode attention (1 query token, no scores): "our dense" path;
+  verify     verification attention, gamma + 1 = 7 query tokens, without scores, and with scores emitted
+             (`logits`: per KV-head sums; `weights`: per query head, for the log-sum-exp rebuild);
+  select     score finalisation + top-k selection for one layer.
+Bandwidth is compared with a measured device-to-device copy. One JSON record per measurement goes to --out, with
+GPU, versions, commit and shapes; a short table is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import torch
+import triton
+import transformers
+from tqdm.auto import tqdm
+
+import hf_vegas
+import hf_vegas_kernels as kernels
+
+# Attention shapes of the two reference models: (query heads, KV heads, head dim, full-attention layers).
+SHAPES = {"smollm2-135m": (9, 3, 64, 30), "qwen3-8b": (32, 8, 128, 36)}
+# Parameter bytes in bf16, read once per forward: the rest of a Vegas iteration's memory traffic.
+WEIGHT_BYTES = {"smollm2-135m": 134.5e6 * 2, "qwen3-8b": 8.19e9 * 2}
+GAMMA, SPARSITY, MIN_TOKENS = 6, 0.07, 256
+L2_FLUSH_BYTES = 256 << 20  # rotate over cache copies until one round moves at least this much
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def graph_time(fn, calls: int) -> float:
+    """Seconds per call of `fn(i)` for i in range(calls), replayed as one CUDA graph (median of 20 replays)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(calls):  # warm-up: compiles the kernels outside the capture
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), 1 GiB buffers."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = graph_time(lambda i: dst.copy_(src), 1)
+    return 2 * src.numel() / seconds
+
+
+def budget(n: int) -> int:
+    return min(max(math.ceil(SPARSITY * n), MIN_TOKENS), n)
+
+
+def bench_shape(name, batch, context, dtype, bandwidth, base, write):
+    q_heads, kv_heads, head_dim, layers = SHAPES[name]
+    elem = torch.finfo(dtype).bits // 8
+    slots = context + 2 * GAMMA + 2
+    kv_bytes_per_slot = kv_heads * head_dim * 2 * elem  # keys + values of one token, one layer
+    cache_bytes = batch * slots * kv_bytes_per_slot
+    copies = max(1, min(math.ceil(L2_FLUSH_BYTES / cache_bytes), 8))
+    caches = [
+        (torch.randn(batch, slots, kv_heads, head_dim, device="cuda", dtype=dtype),
+         torch.randn(batch, slots, kv_heads, head_dim, device="cuda", dtype=dtype))
+        for _ in range(copies)
+    ]
+    kv_len = torch.full((batch,), context, device="cuda")
+    scaling = head_dim**-0.5
+
+    def query(tokens):
+        q = torch.randn(batch, q_heads, tokens, head_dim, device="cuda", dtype=dtype)
+        q_slot = kv_len[:, None] - tokens + torch.arange(tokens, device="cuda")[None, :]
+        return q, q_slot
+
+    def record(op, seconds, read_bytes, moved_bytes, **extra):
+        write({**base, "shape": name, "batch": batch, "context": context, "op": op, "us": seconds * 1e6,
+               "kv_bytes_read": read_bytes, "bytes_moved": moved_bytes,
+               "kv_bandwidth_GBps": read_bytes / seconds / 1e9, "bandwidth_GBps": moved_bytes / seconds / 1e9,
+               "fraction_of_copy": read_bytes / seconds / bandwidth, **extra})
+        return seconds
+
+    q1, slot1 = query(1)
+    qv, slotv = query(GAMMA + 1)
+    q_bytes = lambda q: q.numel() * elem * 2  # read q, write out  # noqa: E731
+
+    # Dense decode and verification (full cache, per-row length).
+    full_read = batch * context * kv_bytes_per_slot
+    t_dense = graph_time(lambda i: kernels.dense_attention(q1, *caches[i], slot1, kv_len, scaling), copies)
+    record("dense", t_dense, full_read, full_read + q_bytes(q1))
+    t_verify = graph_time(lambda i: kernels.dense_attention(qv, *caches[i], slotv, kv_len, scaling), copies)
+    record("verify", t_verify, full_read, full_read + q_bytes(qv))
+    rows = torch.tensor([0, GAMMA], device="cuda")
+    for score, emitted_heads in (("logits", kv_heads), ("weights", q_heads)):
+        seconds = graph_time(
+            lambda i: kernels.verify_attention(qv, *caches[i], slotv, kv_len, scaling, rows, score), copies
+        )
+        emitted = batch * 2 * emitted_heads * context * 4
+        record(f"verify+scores({score})", seconds, full_read, full_read + q_bytes(qv) + emitted,
+               overhead_vs_verify=seconds / t_verify - 1)
+
+    # Sparse draft: the budget's selected slots plus the tail (accepted tokens and drafts since the selection).
+    sel_end = kv_len - GAMMA - 1
+    count = budget(context - GAMMA - 1)
+    sel_idx = torch.stack([torch.randperm(context - GAMMA - 1, device="cuda")[:count].sort().values
+                           for _ in range(batch)])
+    sel_count = torch.full((batch,), count, device="cuda")
+    t_draft = graph_time(
+        lambda i: kernels.sparse_draft_attention(q1, *caches[i], slot1, kv_len, sel_idx, sel_count, sel_end,
+                                                 scaling, list_len=count + 2 * GAMMA + 1), copies)
+    draft_read = batch * (count + GAMMA + 1) * kv_bytes_per_slot
+    record("draft", t_draft, draft_read, draft_read + batch * count * 8 + q_bytes(q1), selected=count)
+
+    # Selection for one layer: finalise the emitted scores, then top-k.
+    _, emitted, lse = kernels.verify_attention(qv, *caches[0], slotv, kv_len, scaling, rows, "weights")
+    out = torch.empty(batch, count, dtype=torch.long, device="cuda")
+    finalize = lambda i: kernels.finalize_scores(emitted, lse, rows, sel_end, q_heads, True, True)  # noqa: E731
+    t_final = graph_time(finalize, 1)
+    scores = finalize(0)[:, 0]
+    t_topk = graph_time(lambda i: kernels.select_topk(scores, sel_count, sel_end, out), 1)
+    # One Vegas iteration moves the weights gamma + 1 times, every layer's full KV once (verify) and the sparse KV
+    # gamma times; at copy bandwidth that is a lower bound on its time, so the selection share below is an upper one.
+    iteration_bytes = (GAMMA + 1) * WEIGHT_BYTES[name] + layers * (full_read + GAMMA * draft_read)
+    iteration_bound = iteration_bytes / bandwidth
+    record("select", t_final + t_topk, 0, emitted.numel() * 4 + scores.numel() * 4 * 4,
+           finalize_us=t_final * 1e6, topk_us=t_topk * 1e6, layers=layers, iteration_bound_ms=iteration_bound * 1e3,
+           fraction_of_iteration=layers * (t_final + t_topk) / iteration_bound)
+    del caches
+    torch.cuda.empty_cache()
+    return {"dense": t_dense, "verify": t_verify, "draft": t_draft, "select": t_final + t_topk}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768, 131072])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--max-gib", type=float, default=40.0, help="skip configurations whose cache exceeds this")
+    parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.jsonl"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU.")
+    dtype = getattr(torch, args.dtype)
+    bandwidth = copy_bandwidth()
+    base = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "transformers": transformers.__version__, "hf_vegas": hf_vegas.__version__,
+            "commit": args.commit or commit(), "dtype": args.dtype, "gamma": GAMMA, "sparsity": SPARSITY,
+            "min_tokens": MIN_TOKENS, "copy_bandwidth_GBps": bandwidth / 1e9}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    records = []
+
+    def write(record):
+        records.append(record)
+        with args.out.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    jobs = [(s, b, c) for s in args.shapes for b in args.batches for c in args.contexts]
+    summary = {}
+    for name, batch, context in tqdm(jobs, desc="kernel shapes", dynamic_ncols=True):
+        q_heads, kv_heads, head_dim, _ = SHAPES[name]
+        gib = batch * context * kv_heads * head_dim * 4 * (torch.finfo(dtype).bits // 8) / 2**30
+        if gib > args.max_gib:
+            tqdm.write(f"skip {name} b{batch} ctx{context}: {gib:.1f} GiB of cache > --max-gib {args.max_gib}")
+            continue
+        summary[(name, batch, context)] = bench_shape(name, batch, context, dtype, bandwidth, base, write)
+
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s ({base['gpu']}, {args.dtype}); % = KV bytes / time / copy bw")
+    print(f"{'shape':<13}{'batch':>6}{'ctx':>8} | {'op':<24}{'us':>10}{'GB/s':>8}{'%copy':>7}{'extra':>12}")
+    for r in records:
+        extra = (f"{100 * r['overhead_vs_verify']:+.1f}%" if "overhead_vs_verify" in r
+                 else f"{100 * r['fraction_of_iteration']:.1f}%iter" if r["op"] == "select" else "")
+        print(f"{r['shape']:<13}{r['batch']:>6}{r['context']:>8} | {r['op']:<24}{r['us']:>10.1f}"
+              f"{r['kv_bandwidth_GBps']:>8.0f}{100 * r['fraction_of_copy']:>6.0f}%{extra:>12}")
+
+
+if __name__ == "__main__":
+    main()

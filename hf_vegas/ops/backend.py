@@ -1,0 +1,56 @@
+"""Which ops run the attention: the plain-PyTorch reference or the Triton kernels (`hf_vegas_kernels`)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+from ..config import BACKENDS
+
+
+@functools.cache
+def _kernels_or_reason():
+    """`(module, None)` when the Triton kernels import, else `(None, why)`."""
+    try:
+        return importlib.import_module("hf_vegas_kernels"), None
+    except ImportError as error:  # no Triton wheel on this platform, or a broken install
+        return None, f"{type(error).__name__}: {error}"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    """`"torch"` or `"triton"` for a model on `device`; raises before any forward if `"triton"` cannot run there.
+
+    `"auto"` picks the kernels on CUDA when Triton imports, the reference everywhere else. On the CPU the kernels
+    run only in Triton's interpreter (`TRITON_INTERPRET=1`, set before the first import), which is for tests.
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"`vegas_backend` must be one of {list(BACKENDS)}, got {requested!r}.")
+    if requested == "torch":
+        return "torch"
+    device = torch.device(device)
+    if requested == "auto":
+        return "triton" if device.type == "cuda" and _kernels_or_reason()[0] is not None else "torch"
+    module, reason = _kernels_or_reason()
+    if module is None:
+        raise ValueError(f"`vegas_backend='triton'` needs Triton and hf_vegas_kernels ({reason}); use 'torch' or 'auto'.")
+    if device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"`vegas_backend='triton'` needs the model on a CUDA device, got {device}. On the CPU the kernels run only "
+            "in Triton's interpreter (TRITON_INTERPRET=1, for tests); use 'torch' or 'auto'."
+        )
+    return "triton"
+
+
+def kernels():
+    """The `hf_vegas_kernels` module (after `resolve_backend` returned "triton")."""
+    module, reason = _kernels_or_reason()
+    if module is None:
+        raise RuntimeError(f"hf_vegas_kernels is not importable: {reason}")
+    return module

@@ -1,0 +1,11 @@
+"""hf_vegas_kernels: the Triton kernels of hf_vegas (sparse draft attention, verification attention with fused
+Collect-2-Query logits, top-k selection). Each one reproduces an op of `hf_vegas.ops.reference`.
+
+Installed with hf_vegas under this name, never as a top-level `kernels` module (that name is HF's `kernels` library).
+"""
+
+from .ops import dense_attention, sparse_draft_attention, verify_attention
+from .scores import finalize_scores
+from .select import select_topk
+
+__all__ = ["dense_attention", "finalize_scores", "select_topk", "sparse_draft_attention", "verify_attention"]

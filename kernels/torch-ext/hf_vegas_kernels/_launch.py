@@ -1,0 +1,31 @@
+"""Launch parameters that depend on the device, not on the op."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Under TRITON_INTERPRET=1 on the CPU there are no SMs; split as if a small GPU, so split-K paths are exercised.
+_CPU_PROGRAMS = 4
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _CPU_PROGRAMS
+
+
+def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer a kernel writes comes from here, so tests can poison them all (NaN) through one name."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products (the CPU reference's precision); half types use the tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -1,0 +1,61 @@
+"""The kernels behind the signatures of `hf_vegas.ops.reference` (plus the host-side list-length hint)."""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import EMIT_GROUP_SUM, EMIT_NONE, EMIT_PER_HEAD, attend
+
+
+def sparse_draft_attention(
+    q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None, list_len=None
+):
+    """Draft attention over `sel_idx[b, :sel_count[b]]` plus the tail `[sel_end[b], kv_len[b])`. `(B, T, Hq, Dv)`.
+
+    `list_len` bounds `sel_count + tail` on the host (it only balances the splits); default: the selection width.
+    """
+    hint = list_len if list_len is not None else sel_idx.shape[1]
+    out, _, _ = attend(
+        q, k_cache, v_cache, q_slot, kv_len, scaling, tail_start=sel_end, list_len=hint,
+        sel_idx=sel_idx, sel_count=sel_count, softcap=softcap,
+    )
+    return out
+
+
+def _dense_start(q_slot: torch.Tensor, window: int | None) -> torch.Tensor:
+    """First slot any of a row's queries can see: 0, or the start of the sliding window."""
+    if window is None:
+        return torch.zeros(q_slot.shape[0], dtype=torch.long, device=q_slot.device)
+    return (q_slot.min(dim=1).values - window + 1).clamp_min(0)
+
+
+def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, window=None, softcap=None, list_len=None):
+    """Full causal (optionally windowed) attention over each row's cache: the dense decode path. `(B, T, Hq, Dv)`."""
+    if list_len is None:
+        list_len = k_cache.shape[1] if window is None else window + q.shape[2]
+    out, _, _ = attend(
+        q, k_cache, v_cache, q_slot, kv_len, scaling, tail_start=_dense_start(q_slot, window), list_len=list_len,
+        softcap=softcap, window=window,
+    )
+    return out
+
+
+def verify_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, score: str, softcap=None,
+                     list_len=None):
+    """Dense attention that also emits the logits of the query rows `score_rows` for every slot it reads.
+
+    Returns `(out (B, T, Hq, Dv), emitted (B, R, heads, S), lse (B, T, Hq))`: `score="logits"` emits per-KV-head
+    group sums (heads = Hkv), `score="weights"` per query head (heads = Hq), for `finalize_scores`.
+    """
+    if score not in ("logits", "weights"):
+        raise ValueError(f"score must be 'logits' or 'weights', got {score!r}")
+    emit = EMIT_PER_HEAD if score == "weights" else EMIT_GROUP_SUM
+    out, lse, emitted = attend(
+        q, k_cache, v_cache, q_slot, kv_len, scaling, tail_start=_dense_start(q_slot, None),
+        list_len=list_len if list_len is not None else k_cache.shape[1], softcap=softcap,
+        score_rows=score_rows, emit=emit,
+    )
+    return out, emitted, lse
+
+
+__all__ = ["EMIT_NONE", "dense_attention", "sparse_draft_attention", "verify_attention"]

@@ -1,0 +1,58 @@
+"""Collect-2-Query scores from the logits the verification kernel emitted: head mean, rows, softmax weights."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _launch
+
+
+@triton.jit
+def _finalize_scores(
+    Emit, Lse, ScoreRows, CandEnd, Out, num_slots,
+    stride_eb, stride_er, stride_eh, stride_lb, stride_lt, stride_ob, stride_or,
+    EMIT_HEADS: tl.constexpr, Q_HEADS: tl.constexpr, NUM_ROWS: tl.constexpr,
+    WEIGHTS: tl.constexpr, MEAN_ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    slot = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    in_buffer = slot < num_slots
+    candidate = slot < tl.load(CandEnd + b)
+    total = tl.zeros([BLOCK_S], tl.float32)
+    for r in tl.static_range(NUM_ROWS):
+        row = tl.zeros([BLOCK_S], tl.float32)
+        t_r = tl.load(ScoreRows + r)
+        for h in range(EMIT_HEADS):
+            value = tl.load(Emit + b * stride_eb + r * stride_er + h * stride_eh + slot, mask=candidate, other=0.0)
+            if WEIGHTS:  # softmax weight of head h: exp(logit - that head's log-sum-exp over the row)
+                value = tl.exp(value - tl.load(Lse + b * stride_lb + t_r * stride_lt + h))
+            row += value
+        row = row / Q_HEADS  # emitted heads hold either one head each or a KV head's group sum
+        if MEAN_ROWS:
+            total += row
+        else:
+            tl.store(Out + b * stride_ob + r * stride_or + slot, tl.where(candidate, row, float("-inf")),
+                     mask=in_buffer)
+    if MEAN_ROWS:
+        tl.store(Out + b * stride_ob + slot, tl.where(candidate, total / NUM_ROWS, float("-inf")), mask=in_buffer)
+
+
+def finalize_scores(emitted, lse, score_rows, cand_end, q_heads: int, weights: bool, mean_rows: bool):
+    """Scores `(B, 1 if mean_rows else R, S)` fp32, `-inf` outside `[0, cand_end)`.
+
+    `emitted` `(B, R, heads, S)` holds logits per query head (`weights=True` needs them) or per KV-head group sum;
+    `lse` `(B, T, Hq)` is the verification's log-sum-exp; `score_rows` `(R,)` the token rows that were emitted.
+    """
+    batch, num_rows, heads, num_slots = emitted.shape
+    out = _launch.empty(batch, 1 if mean_rows else num_rows, num_slots, dtype=torch.float32, device=emitted.device)
+    block = 1024
+    _finalize_scores[(batch, triton.cdiv(num_slots, block))](
+        emitted, lse, score_rows, cand_end, out, num_slots,
+        emitted.stride(0), emitted.stride(1), emitted.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        EMIT_HEADS=heads, Q_HEADS=q_heads, NUM_ROWS=num_rows, WEIGHTS=weights, MEAN_ROWS=mean_rows,
+        BLOCK_S=block, num_warps=4,
+    )
+    return out

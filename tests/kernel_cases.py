@@ -1,0 +1,72 @@
+"""Inputs for the kernel-vs-reference tests: ragged rows, odd lengths, and caches poisoned where no op may read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NAN = float("nan")
+# Kernels run on the GPU when there is one, else on the CPU in Triton's interpreter (see conftest.py).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class Case:
+    q: torch.Tensor  # (B, Hq, T, D)
+    k: torch.Tensor  # (B, S, Hkv, D), clean
+    v: torch.Tensor
+    q_slot: torch.Tensor  # (B, T)
+    kv_len: torch.Tensor  # (B,)
+    sel_idx: torch.Tensor  # (B, k_max); entries past sel_count are junk that must never be read
+    sel_count: torch.Tensor
+    sel_end: torch.Tensor
+    scaling: float
+
+
+def make_case(lengths, tails, tokens, head_dim, q_heads, kv_heads, slots=None, dtype=torch.float32,
+              device=DEVICE, seed=0, sparsity=0.3) -> Case:
+    """Rows of `lengths` cached slots whose last `tails[b]` were written after the selection; `tokens` queries."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(lengths)
+    slots = slots or max(lengths) + 7  # the buffer is longer than any row, as in VegasCache
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    kv_len = torch.tensor(lengths, device=device)
+    sel_end = kv_len - torch.tensor(tails, device=device)
+    counts = [max(1, int(sparsity * int(e))) for e in sel_end.tolist()]
+    k_max = max(counts) + 3
+    sel_idx = torch.full((batch, k_max), -(10**6), dtype=torch.long)
+    for b, (end, count) in enumerate(zip(sel_end.tolist(), counts)):
+        sel_idx[b, :count] = torch.randperm(end, generator=gen)[:count]
+    q_slot = kv_len[:, None] - tokens + torch.arange(tokens, device=device)[None, :]
+    return Case(
+        q=randn(batch, q_heads, tokens, head_dim), k=randn(batch, slots, kv_heads, head_dim),
+        v=randn(batch, slots, kv_heads, head_dim), q_slot=q_slot, kv_len=kv_len, sel_idx=sel_idx.to(device),
+        sel_count=torch.tensor(counts, device=device), sel_end=sel_end, scaling=head_dim**-0.5,
+    )
+
+
+def poisoned(cache: torch.Tensor, readable: torch.Tensor) -> torch.Tensor:
+    """A copy of a `(B, S, H, D)` cache with NaN in every slot outside `readable` `(B, S)`."""
+    out = cache.clone()
+    out[~readable] = NAN
+    return out
+
+
+def dense_readable(case: Case, window: int | None = None) -> torch.Tensor:
+    slots = torch.arange(case.k.shape[1], device=case.k.device)[None, :]
+    readable = slots < case.kv_len[:, None]
+    if window is not None:
+        readable &= slots > case.q_slot.min(dim=1).values[:, None] - window
+    return readable
+
+
+def sparse_readable(case: Case) -> torch.Tensor:
+    from hf_vegas.ops.reference import selected_slots
+
+    slots = torch.arange(case.k.shape[1], device=case.k.device)[None, :]
+    chosen = selected_slots(case.sel_idx.clamp_min(0), case.sel_count, case.k.shape[1])
+    return (chosen | (slots >= case.sel_end[:, None])) & (slots < case.kv_len[:, None])

@@ -1,0 +1,135 @@
+"""Triton attention kernels == reference ops, on odd shapes, with NaN wherever they must not read or write.
+
+On the CPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1); the GPU variants at the end
+repeat the comparison at real sizes in bf16/fp16.
+"""
+
+import pytest
+import torch
+
+from hf_vegas.ops import reference
+from kernel_cases import DEVICE, dense_readable, make_case, poisoned, sparse_readable
+
+kernels = pytest.importorskip("hf_vegas_kernels", reason="Triton is not installed on this platform")
+from hf_vegas_kernels import _launch  # noqa: E402
+
+# (head_dim, query heads, KV heads): GQA groups 1, 3, 4 and 8.
+HEADS = [(64, 2, 2), (128, 6, 2), (256, 8, 2), (64, 8, 1)]
+LENGTHS = [70, 131, 9]  # not multiples of any block, ragged
+
+
+@pytest.fixture(autouse=True)
+def nan_scratch(monkeypatch):
+    """Every buffer a kernel allocates starts as NaN (or -1 for integers), so an unwritten element fails."""
+    def empty(*shape, dtype, device):
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
+
+    monkeypatch.setattr(_launch, "empty", empty)
+
+
+def _assert_close(actual, expected, dtype):
+    assert not actual.isnan().any(), "kernel output has NaN: an element was not written or a poisoned slot was read"
+    tol = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 7])
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS)
+def test_sparse_draft_attention(head_dim, q_heads, kv_heads, tokens):
+    tails = [tokens, tokens + 2, tokens]  # the tail: accepted tokens since the selection plus the drafts
+    case = make_case(LENGTHS, tails, tokens, head_dim, q_heads, kv_heads, seed=head_dim + tokens)
+    readable = sparse_readable(case)
+    args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
+    got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args)
+    expected = reference.sparse_draft_attention(case.q, case.k, case.v, *args)
+    _assert_close(got, expected, torch.float32)
+
+
+@pytest.mark.parametrize("list_len", [1, 10_000])
+def test_split_hint_changes_balance_not_result(list_len):
+    """A list-length hint far too small or too large must still cover every selected and tail slot."""
+    case = make_case([200, 150], [3, 5], 1, 64, 4, 2, seed=3)
+    args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
+    got = kernels.sparse_draft_attention(case.q, case.k, case.v, *args, list_len=list_len)
+    _assert_close(got, reference.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (None, 7.0), (24, None), (5, 3.0)])
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS[:2])
+def test_dense_attention(head_dim, q_heads, kv_heads, tokens, window, softcap):
+    case = make_case(LENGTHS, [tokens] * 3, tokens, head_dim, q_heads, kv_heads, seed=tokens)
+    readable = dense_readable(case, window)
+    args = (case.q_slot, case.kv_len, case.scaling, window, softcap)
+    got = kernels.dense_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args)
+    _assert_close(got, reference.dense_attention(case.q, case.k, case.v, *args), torch.float32)
+
+
+def _expected_scores(case, rows, score, softcap):
+    return reference.row_scores(
+        case.q[:, :, rows], case.k, case.q_slot[:, rows], case.kv_len, case.sel_end, case.scaling, score, softcap
+    )
+
+
+@pytest.mark.parametrize("score", ["logits", "weights"])
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS)
+def test_verify_attention_emits_collect_2_query_scores(head_dim, q_heads, kv_heads, tokens, score):
+    # Verification: `tokens` rows, the first is the pending token's; candidates end right after it.
+    case = make_case(LENGTHS, [tokens - 1] * 3, tokens, head_dim, q_heads, kv_heads, seed=tokens + q_heads)
+    softcap = 9.0 if head_dim == 128 else None
+    rows = torch.tensor(sorted({0, tokens - 1}), device=DEVICE)
+    readable = dense_readable(case)
+    out, emitted, lse = kernels.verify_attention(
+        case.q, poisoned(case.k, readable), poisoned(case.v, readable), case.q_slot, case.kv_len, case.scaling,
+        rows, score, softcap,
+    )
+    expected_out = reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
+                                             None, softcap)
+    _assert_close(out, expected_out, torch.float32)
+    expected = _expected_scores(case, rows, score, softcap)  # (B, R, S)
+    candidate = torch.isfinite(expected)
+    for mean_rows in (True, False):
+        got = kernels.finalize_scores(emitted, lse, rows, case.sel_end, q_heads, score == "weights", mean_rows)
+        want = expected.mean(dim=1, keepdim=True) if mean_rows else expected
+        assert torch.equal(torch.isfinite(got), candidate[:, :1] if mean_rows else candidate)
+        _assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)], torch.float32)
+
+
+def test_dense_decode_equals_verify_without_scores():
+    """The dense decode path (gamma = 0) is the verification kernel with score emission off."""
+    case = make_case(LENGTHS, [0, 0, 0], 1, 64, 6, 2, seed=5)
+    dense = kernels.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling)
+    verify, _, _ = kernels.verify_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
+                                            torch.tensor([0], device=DEVICE), "logits")
+    assert torch.equal(dense, verify)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU versions above cover it")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", [(64, 9, 3), (128, 32, 8), (256, 8, 1)])
+def test_kernels_at_real_sizes_on_gpu(head_dim, q_heads, kv_heads, dtype):
+    lengths, tokens = [8191, 3000, 20_001, 77], 7
+    case = make_case(lengths, [tokens - 1] * 4, tokens, head_dim, q_heads, kv_heads, dtype=dtype, device="cuda",
+                     sparsity=0.07)
+    # The reference runs in fp32 on the same (rounded) inputs.
+    f32 = make_case(lengths, [tokens - 1] * 4, tokens, head_dim, q_heads, kv_heads, device="cuda", sparsity=0.07)
+    f32.q, f32.k, f32.v = case.q.float(), case.k.float(), case.v.float()
+    draft_args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
+    readable = sparse_readable(case)
+    got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable),
+                                         *draft_args)
+    _assert_close(got, reference.sparse_draft_attention(f32.q, f32.k, f32.v, *draft_args), dtype)
+    rows = torch.tensor([0, tokens - 1], device="cuda")
+    out, emitted, lse = kernels.verify_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
+                                                 rows, "weights")
+    _assert_close(out, reference.dense_attention(f32.q, f32.k, f32.v, f32.q_slot, f32.kv_len, f32.scaling), dtype)
+    got = kernels.finalize_scores(emitted, lse, rows, case.sel_end, q_heads, True, True)[:, 0]
+    want = _expected_scores(f32, rows, "weights", None).mean(dim=1)
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite)
+    torch.testing.assert_close(got[finite], want[finite], atol=1e-4, rtol=5e-2)

@@ -1,0 +1,75 @@
+"""Triton top-k selection: exactly `count[b]` slots per row, a valid top-k of the candidates, ascending, no sync."""
+
+import pytest
+import torch
+
+kernels = pytest.importorskip("hf_vegas_kernels", reason="Triton is not installed on this platform")
+
+from kernel_cases import DEVICE
+
+UNTOUCHED = -7
+
+
+def _check_topk(scores, count, cand_end, out):
+    for b in range(scores.shape[0]):
+        k, n = int(count[b]), int(cand_end[b])
+        chosen = out[b, :k]
+        assert (out[b, k:] == UNTOUCHED).all(), "entries past the row's budget must be left alone"
+        assert (chosen >= 0).all() and (chosen < n).all(), "only candidates may be selected"
+        assert torch.equal(chosen, torch.sort(chosen).values) and chosen.unique().numel() == k, "ascending, distinct"
+        picked = torch.zeros(n, dtype=torch.bool, device=scores.device)
+        picked[chosen] = True
+        row = scores[b, :n]
+        if 0 < k < n:  # a top-k: nothing left out scores higher than anything kept
+            assert row[picked].min() >= row[~picked].max()
+
+
+def _run(scores, count, cand_end):
+    out = torch.full((scores.shape[0], int(count.max()) + 4), UNTOUCHED, dtype=torch.long, device=scores.device)
+    return kernels.select_topk(scores, count, cand_end, out)
+
+
+@pytest.mark.parametrize("n_slots", [37, 1100, 3000])
+def test_select_matches_torch_topk_without_ties(n_slots):
+    gen = torch.Generator().manual_seed(n_slots)
+    scores = torch.randn(3, n_slots, generator=gen).to(DEVICE)
+    cand_end = torch.tensor([n_slots, n_slots - 5, n_slots // 2], device=DEVICE)
+    scores[torch.arange(n_slots, device=DEVICE)[None, :] >= cand_end[:, None]] = float("-inf")
+    count = torch.tensor([1, n_slots // 7, n_slots // 2], device=DEVICE)
+    out = _run(scores, count, cand_end)
+    _check_topk(scores, count, cand_end, out)
+    for b in range(3):
+        expected = torch.topk(scores[b], int(count[b])).indices.sort().values
+        assert torch.equal(out[b, : count[b]], expected)
+
+
+def test_select_with_ties_negative_zero_and_whole_range():
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randint(-2, 3, (4, 1500), generator=gen).float() * 0.5  # heavy ties
+    scores[0, :10] = -0.0
+    scores[2] = 1e-30  # all equal: the first k in slot order
+    scores[3, 100] = float("inf")
+    scores = scores.to(DEVICE)
+    cand_end = torch.tensor([1500, 1024, 800, 1499], device=DEVICE)
+    count = torch.tensor([700, 1024, 33, 1], device=DEVICE)  # row 1 takes every candidate
+    out = _run(scores, count, cand_end)
+    _check_topk(scores, count, cand_end, out)
+    assert torch.equal(out[2, :33].cpu(), torch.arange(33))
+    assert out[3, 0] == 100
+
+
+def test_select_handles_extreme_magnitudes():
+    scores = torch.tensor([[3.4e38, -3.4e38, 1e-45, -1e-45, 0.0, 1.0, -1.0, float("-inf")]], device=DEVICE)
+    out = _run(scores, torch.tensor([4], device=DEVICE), torch.tensor([7], device=DEVICE))
+    assert out[0, :4].tolist() == [0, 2, 4, 5]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU versions above cover it")
+@pytest.mark.gpu
+def test_select_at_real_sizes_on_gpu():
+    scores = torch.randn(8, 131_072, device="cuda")
+    cand_end = torch.tensor([131_072, 100_000, 32_768, 8192, 300, 256, 131_000, 65_536], device="cuda")
+    scores[torch.arange(131_072, device="cuda")[None, :] >= cand_end[:, None]] = float("-inf")
+    count = torch.clamp(torch.ceil(0.07 * cand_end), min=256).long().minimum(cand_end)
+    out = _run(scores, count, cand_end)
+    _check_topk(scores, count, cand_end, out)

@@ -1,0 +1,85 @@
+"""`vegas_backend="triton"` end to end: same tokens as the reference backend and as vanilla, on every tiny
+architecture; the backend choice is validated before any forward."""
+
+import pytest
+import torch
+
+import hf_vegas
+from hf_vegas.ops.backend import resolve_backend
+from kernel_cases import DEVICE
+from tiny_models import BUILDERS, ragged_batch, tiny_model
+
+pytest.importorskip("hf_vegas_kernels", reason="Triton is not installed on this platform")
+
+SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=8)
+SHAPES = {"batch1": [80], "ragged3": [80, 61, 37]}
+
+
+def _on_device(model, *tensors):
+    """The kernels run on the GPU when there is one (else in Triton's CPU interpreter)."""
+    return (model.to(DEVICE), *(t.to(DEVICE) for t in tensors))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("arch", list(BUILDERS))
+def test_triton_greedy_matches_vanilla(arch, shape):
+    model, ids, mask = _on_device(tiny_model(arch), *ragged_batch(SHAPES[shape]))
+    common = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **common)
+    out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=4, vegas_backend="triton",
+                         return_dict_in_generate=True, **SPARSE)
+    assert out.past_key_values.backend == "triton"
+    torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
+    assert bool((out.past_key_values.sel_count < out.past_key_values.sel_end).all()), "the selection must drop tokens"
+
+
+@pytest.mark.parametrize("policy,score", [("vegas", "logits"), ("vegas", "weights"), ("last_token", "weights"),
+                                          ("streaming", "weights")])
+def test_triton_policies_match_reference_backend(policy, score):
+    """Same selections, same acceptance, same tokens as the torch reference backend."""
+    model, ids, mask = _on_device(tiny_model("mistral", seed=1), *ragged_batch([70, 44], seed=1))
+    common = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0, custom_generate="vegas",
+                  vegas_gamma=4, vegas_policy=policy, vegas_score=score, return_dict_in_generate=True, **SPARSE)
+    torch_out = model.generate(ids, **common, vegas_backend="torch")
+    triton_out = model.generate(ids, **common, vegas_backend="triton")
+    assert torch.equal(triton_out.sequences, torch_out.sequences)
+    assert torch.equal(triton_out.accepted, torch_out.accepted)
+
+
+def test_triton_sampling_draws_the_same_tokens_as_reference_backend():
+    """Sampling uses the kernels' draft and target probabilities; with one seed both backends draw alike."""
+    model, ids, mask = _on_device(tiny_model("qwen3", seed=3), *ragged_batch([60, 33], seed=3))
+    common = dict(attention_mask=mask, max_new_tokens=16, do_sample=True, temperature=1.3, top_k=20,
+                  pad_token_id=0, custom_generate="vegas", vegas_gamma=3, **SPARSE)
+    torch.manual_seed(7)
+    torch_out = model.generate(ids, **common, vegas_backend="torch")
+    torch.manual_seed(7)
+    triton_out = model.generate(ids, **common, vegas_backend="triton")
+    assert torch.equal(triton_out, torch_out)
+
+
+def test_triton_in_hf_assisted_loop():
+    from hf_vegas.assisted import assisted_generate
+
+    model, ids = _on_device(tiny_model("llama"), ragged_batch([50])[0])
+    expected = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    out = assisted_generate(model, ids, max_new_tokens=12, do_sample=False, pad_token_id=0, vegas_gamma=3,
+                            vegas_backend="triton", **SPARSE)
+    assert torch.equal(out, expected)
+
+
+def test_auto_picks_reference_on_cpu_and_triton_on_cuda():
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    if torch.cuda.is_available():
+        assert resolve_backend("auto", torch.device("cuda")) == "triton"
+
+
+def test_triton_on_cpu_without_interpreter_is_refused_before_any_forward(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = tiny_model("llama")
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    ids, mask = ragged_batch([20])
+    with pytest.raises(ValueError, match="vegas_backend='triton'.*CUDA"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, custom_generate="vegas", vegas_backend="triton")
+    assert forwards == [] and model.config._attn_implementation == "sdpa"
