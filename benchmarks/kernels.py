@@ -22,13 +22,13 @@ import math
 import subprocess
 from pathlib import Path
 
+import hf_vegas_kernels as kernels
 import torch
-import triton
 import transformers
+import triton
 from tqdm.auto import tqdm
 
 import hf_vegas
-import hf_vegas_kernels as kernels
 
 # Attention shapes of the two reference models: (query heads, KV heads, head dim, full-attention layers).
 SHAPES = {"smollm2-135m": (9, 3, 64, 30), "qwen3-8b": (32, 8, 128, 36)}
@@ -78,11 +78,18 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / seconds
 
 
+def read_bandwidth() -> float:
+    """Read-only bandwidth in bytes/s: a full reduction over a 1 GiB buffer (what an attention kernel does)."""
+    src = torch.ones(1 << 29, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty((), dtype=torch.float32, device="cuda")
+    return 2 * src.numel() / graph_time(lambda i: torch.sum(src, dtype=torch.float32, out=out), 1)
+
+
 def budget(n: int) -> int:
     return min(max(math.ceil(SPARSITY * n), MIN_TOKENS), n)
 
 
-def bench_shape(name, batch, context, dtype, bandwidth, base, write):
+def bench_shape(name, batch, context, dtype, bandwidth, base, write, light=False):
     q_heads, kv_heads, head_dim, layers = SHAPES[name]
     elem = torch.finfo(dtype).bits // 8
     slots = context + 2 * GAMMA + 2
@@ -106,12 +113,13 @@ def bench_shape(name, batch, context, dtype, bandwidth, base, write):
         write({**base, "shape": name, "batch": batch, "context": context, "op": op, "us": seconds * 1e6,
                "kv_bytes_read": read_bytes, "bytes_moved": moved_bytes,
                "kv_bandwidth_GBps": read_bytes / seconds / 1e9, "bandwidth_GBps": moved_bytes / seconds / 1e9,
-               "fraction_of_copy": read_bytes / seconds / bandwidth, **extra})
+               "fraction_of_copy": read_bytes / seconds / bandwidth,
+               "fraction_of_read": read_bytes / seconds / (base["read_bandwidth_GBps"] * 1e9), **extra})
         return seconds
 
     q1, slot1 = query(1)
     qv, slotv = query(GAMMA + 1)
-    q_bytes = lambda q: q.numel() * elem * 2  # read q, write out  # noqa: E731
+    q_bytes = lambda q: q.numel() * elem * 2  # read q, write out
 
     # Dense decode and verification (full cache, per-row length).
     full_read = batch * context * kv_bytes_per_slot
@@ -120,9 +128,10 @@ def bench_shape(name, batch, context, dtype, bandwidth, base, write):
     t_verify = graph_time(lambda i: kernels.dense_attention(qv, *caches[i], slotv, kv_len, scaling), copies)
     record("verify", t_verify, full_read, full_read + q_bytes(qv))
     rows = torch.tensor([0, GAMMA], device="cuda")
-    for score, emitted_heads in (("logits", kv_heads), ("weights", q_heads)):
+    for score, emitted_heads in () if light else (("logits", kv_heads), ("weights", q_heads)):
         seconds = graph_time(
-            lambda i: kernels.verify_attention(qv, *caches[i], slotv, kv_len, scaling, rows, score), copies
+            lambda i, score=score: kernels.verify_attention(qv, *caches[i], slotv, kv_len, scaling, rows, score),
+            copies,
         )
         emitted = batch * 2 * emitted_heads * context * 4
         record(f"verify+scores({score})", seconds, full_read, full_read + q_bytes(qv) + emitted,
@@ -140,23 +149,44 @@ def bench_shape(name, batch, context, dtype, bandwidth, base, write):
     draft_read = batch * (count + GAMMA + 1) * kv_bytes_per_slot
     record("draft", t_draft, draft_read, draft_read + batch * count * 8 + q_bytes(q1), selected=count)
 
-    # Selection for one layer: finalise the emitted scores, then top-k.
+    if light:
+        return {"dense": t_dense, "verify": t_verify, "draft": t_draft}
+    # Selection: finalise the emitted scores (once per layer), then top-k for every layer in one launch.
     _, emitted, lse = kernels.verify_attention(qv, *caches[0], slotv, kv_len, scaling, rows, "weights")
-    out = torch.empty(batch, count, dtype=torch.long, device="cuda")
-    finalize = lambda i: kernels.finalize_scores(emitted, lse, rows, sel_end, q_heads, True, True)  # noqa: E731
-    t_final = graph_time(finalize, 1)
-    scores = finalize(0)[:, 0]
-    t_topk = graph_time(lambda i: kernels.select_topk(scores, sel_count, sel_end, out), 1)
+    layer_scores = torch.empty(layers, batch, slots, device="cuda")
+    out = torch.empty(layers, batch, count, dtype=torch.long, device="cuda")
+    finalize = lambda i: kernels.finalize_scores(emitted, lse, rows, sel_end, q_heads, True, True,
+                                                 out=layer_scores[i][:, None])
+    t_final = graph_time(finalize, layers) * layers
+    t_topk = graph_time(lambda i: kernels.select_topk(layer_scores, sel_count, sel_end, out), 1)
     # One Vegas iteration moves the weights gamma + 1 times, every layer's full KV once (verify) and the sparse KV
     # gamma times; at copy bandwidth that is a lower bound on its time, so the selection share below is an upper one.
     iteration_bytes = (GAMMA + 1) * WEIGHT_BYTES[name] + layers * (full_read + GAMMA * draft_read)
     iteration_bound = iteration_bytes / bandwidth
-    record("select", t_final + t_topk, 0, emitted.numel() * 4 + scores.numel() * 4 * 4,
+    record("select(all layers)", t_final + t_topk, 0, layers * (emitted.numel() + 2 * batch * slots) * 4,
            finalize_us=t_final * 1e6, topk_us=t_topk * 1e6, layers=layers, iteration_bound_ms=iteration_bound * 1e3,
-           fraction_of_iteration=layers * (t_final + t_topk) / iteration_bound)
-    del caches
+           fraction_of_iteration=(t_final + t_topk) / iteration_bound)
+    caches.clear()
     torch.cuda.empty_cache()
     return {"dense": t_dense, "verify": t_verify, "draft": t_draft, "select": t_final + t_topk}
+
+
+def sweep(name, batch, context, dtype, bandwidth, base, write):
+    """Time draft, dense and verify(+logits) under every launch setting of `_launch.TUNING`."""
+    from itertools import product
+
+    from hf_vegas_kernels import _launch
+
+    default = dict(_launch.TUNING)
+    try:
+        for block_n, warps, stages, waves in product([32, 64], [4, 8], [2, 3], [2, 4, 8]):
+            _launch.TUNING.update(block_n=block_n, num_warps=warps, num_stages=stages, waves=waves)
+            times = bench_shape(name, batch, context, dtype, bandwidth, {**base, "sweep": dict(_launch.TUNING)},
+                                lambda record: None, light=True)
+            write({**base, "sweep": dict(_launch.TUNING), "shape": name, "batch": batch, "context": context,
+                   "op": "sweep", **{f"{op}_us": t * 1e6 for op, t in times.items()}})
+    finally:
+        _launch.TUNING.update(default)
 
 
 def main() -> None:
@@ -166,6 +196,7 @@ def main() -> None:
     parser.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768, 131072])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--max-gib", type=float, default=40.0, help="skip configurations whose cache exceeds this")
+    parser.add_argument("--sweep", action="store_true", help="sweep the attention kernel's launch settings instead")
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.jsonl"))
     args = parser.parse_args()
@@ -176,7 +207,8 @@ def main() -> None:
     base = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "transformers": transformers.__version__, "hf_vegas": hf_vegas.__version__,
             "commit": args.commit or commit(), "dtype": args.dtype, "gamma": GAMMA, "sparsity": SPARSITY,
-            "min_tokens": MIN_TOKENS, "copy_bandwidth_GBps": bandwidth / 1e9}
+            "min_tokens": MIN_TOKENS, "copy_bandwidth_GBps": bandwidth / 1e9,
+            "read_bandwidth_GBps": read_bandwidth() / 1e9}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     records = []
 
@@ -188,18 +220,27 @@ def main() -> None:
     jobs = [(s, b, c) for s in args.shapes for b in args.batches for c in args.contexts]
     summary = {}
     for name, batch, context in tqdm(jobs, desc="kernel shapes", dynamic_ncols=True):
-        q_heads, kv_heads, head_dim, _ = SHAPES[name]
+        _, kv_heads, head_dim, _ = SHAPES[name]
         gib = batch * context * kv_heads * head_dim * 4 * (torch.finfo(dtype).bits // 8) / 2**30
         if gib > args.max_gib:
             tqdm.write(f"skip {name} b{batch} ctx{context}: {gib:.1f} GiB of cache > --max-gib {args.max_gib}")
             continue
-        summary[(name, batch, context)] = bench_shape(name, batch, context, dtype, bandwidth, base, write)
+        run = sweep if args.sweep else bench_shape
+        summary[(name, batch, context)] = run(name, batch, context, dtype, bandwidth, base, write)
+    if args.sweep:
+        for key in summary:
+            rows = [r for r in records if (r["shape"], r["batch"], r["context"]) == key]
+            for op in ("draft", "dense", "verify"):
+                best = min(rows, key=lambda r: r[f"{op}_us"])
+                print(f"{key} best {op}: {best[f'{op}_us']:.1f} us with {best['sweep']}")
+        return
 
-    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s ({base['gpu']}, {args.dtype}); % = KV bytes / time / copy bw")
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s, read bandwidth {base['read_bandwidth_GBps']:.0f} GB/s "
+          f"({base['gpu']}, {args.dtype}); %copy = KV bytes read / time / copy bandwidth")
     print(f"{'shape':<13}{'batch':>6}{'ctx':>8} | {'op':<24}{'us':>10}{'GB/s':>8}{'%copy':>7}{'extra':>12}")
     for r in records:
         extra = (f"{100 * r['overhead_vs_verify']:+.1f}%" if "overhead_vs_verify" in r
-                 else f"{100 * r['fraction_of_iteration']:.1f}%iter" if r["op"] == "select" else "")
+                 else f"{100 * r['fraction_of_iteration']:.1f}%iter" if "fraction_of_iteration" in r else "")
         print(f"{r['shape']:<13}{r['batch']:>6}{r['context']:>8} | {r['op']:<24}{r['us']:>10.1f}"
               f"{r['kv_bandwidth_GBps']:>8.0f}{100 * r['fraction_of_copy']:>6.0f}%{extra:>12}")
 

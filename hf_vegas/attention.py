@@ -94,16 +94,22 @@ def _kernels_for(cache: VegasCache, query: torch.Tensor, key: torch.Tensor):
 
 
 def _select_from_emitted(cache: VegasCache, kernels, layer_idx: int, emitted, lse, q_heads: int) -> None:
-    """Kernel path of `_select`: turn the verification's emitted logits into the next selection."""
+    """Kernel path of `_select`: turn the verification's emitted logits into the next selection.
+
+    Scores of every full-attention layer are kept until the last one, then all layers select in one launch.
+    """
     config = cache.vegas_config
-    keep_rows = config.policy == "last_token" and cache.mode == "verify"
-    scores = kernels.finalize_scores(
-        emitted, lse, cache.score_rows, cache.sel_end, q_heads, config.score == "weights", mean_rows=not keep_rows
-    )
-    if keep_rows:
-        cache.row_scores[layer_idx] = scores
-    else:
-        kernels.select_topk(scores[:, 0], cache.sel_count, cache.sel_end, cache.selection_buffer(layer_idx))
+    if config.policy == "last_token" and cache.mode == "verify":  # every row's scores, until acceptance
+        cache.row_scores[layer_idx] = kernels.finalize_scores(
+            emitted, lse, cache.score_rows, cache.sel_end, q_heads, config.score == "weights", mean_rows=False
+        )
+        return
+    layer_scores = cache.layer_scores(emitted.shape[-1])
+    kernels.finalize_scores(emitted, lse, cache.score_rows, cache.sel_end, q_heads, config.score == "weights",
+                            mean_rows=True, out=layer_scores[layer_idx][:, None])
+    if layer_idx == cache.full_layers[-1]:
+        kernels.select_topk(layer_scores, cache.sel_count, cache.sel_end, cache.selection_buffer(),
+                            layers=cache.full_layer_index)
 
 
 def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap) -> None:
@@ -128,7 +134,7 @@ def select_from_rows(cache: VegasCache, rows: torch.Tensor) -> None:
     for layer_idx, scores in cache.row_scores.items():
         picked = scores[cache.row_index, rows]  # (B, S)
         if cache.backend == "triton":
-            backend.kernels().select_topk(picked, cache.sel_count, cache.sel_end, cache.selection_buffer(layer_idx))
+            backend.kernels().select_topk(picked, cache.sel_count, cache.sel_end, cache.selection_buffer()[layer_idx])
         else:
             cache.store_selection(layer_idx, reference.select_topk(picked, cache.max_selected))
     cache.row_scores.clear()

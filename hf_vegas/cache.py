@@ -125,6 +125,10 @@ class VegasCache(Cache):
         self.has_selection = False
         # `last_token` policy: head-averaged scores of every verify row, selected after acceptance.
         self.row_scores: dict[int, torch.Tensor] = {}
+        self._layer_scores: torch.Tensor | None = None
+        # Full-attention layers: the ones that draft sparsely and select (sliding-window layers keep their window).
+        self.full_layers = [i for i, layer in enumerate(self.layers) if not layer.is_sliding]
+        self.full_layer_index = torch.tensor(self.full_layers, dtype=torch.long, device=self.device)
 
     # -- step protocol -------------------------------------------------------------------------------------------
     def begin(self, mode: str, left_pad: torch.Tensor | None = None, verify_end: torch.Tensor | None = None) -> None:
@@ -185,10 +189,18 @@ class VegasCache(Cache):
         self.sel_idx[layer_idx].copy_(indices)
         self.has_selection = True
 
-    def selection_buffer(self, layer_idx: int) -> torch.Tensor:
-        """`sel_idx[layer_idx]` `(B, max_selected)`, for ops that write the selection in place."""
+    def selection_buffer(self) -> torch.Tensor:
+        """`sel_idx` `(L, B, max_selected)`, for ops that write the selection in place."""
         self.has_selection = True
-        return self.sel_idx[layer_idx]
+        return self.sel_idx
+
+    def layer_scores(self, num_slots: int) -> torch.Tensor:
+        """`(L, B, num_slots)` fp32 scratch where a verification leaves each full layer's scores (kernel path)."""
+        if self._layer_scores is None:
+            self._layer_scores = torch.empty(
+                len(self.layers), self.batch_size_, num_slots, dtype=torch.float32, device=self.sel_idx.device
+            )
+        return self._layer_scores
 
     # -- transformers Cache API ----------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -73,3 +73,16 @@ def test_select_at_real_sizes_on_gpu():
     count = torch.clamp(torch.ceil(0.07 * cand_end), min=256).long().minimum(cand_end)
     out = _run(scores, count, cand_end)
     _check_topk(scores, count, cand_end, out)
+
+
+def test_select_all_layers_in_one_launch():
+    """Verification selects for every full-attention layer at once: (L, B, S) scores, a subset of layers."""
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randn(4, 2, 300, generator=gen).to(DEVICE)
+    count = torch.tensor([30, 7], device=DEVICE)
+    cand_end = torch.tensor([300, 250], device=DEVICE)
+    out = torch.full((4, 2, 34), UNTOUCHED, dtype=torch.long, device=DEVICE)
+    kernels.select_topk(scores, count, cand_end, out, layers=torch.tensor([0, 3], device=DEVICE))
+    assert (out[1:3] == UNTOUCHED).all(), "layers not listed are not written"
+    for layer in (0, 3):
+        _check_topk(scores[layer], count, cand_end, out[layer])

@@ -12,6 +12,8 @@ from tiny_models import BUILDERS, ragged_batch, tiny_model
 pytest.importorskip("hf_vegas_kernels", reason="Triton is not installed on this platform")
 
 SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=8)
+# On the CPU every kernel launch runs in Triton's Python interpreter (~30 ms), so these end-to-end runs are short;
+# the kernels' own tests cover the shapes.
 SHAPES = {"batch1": [80], "ragged3": [80, 61, 37]}
 
 
@@ -20,11 +22,10 @@ def _on_device(model, *tensors):
     return (model.to(DEVICE), *(t.to(DEVICE) for t in tensors))
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("arch", list(BUILDERS))
+@pytest.mark.parametrize("arch,shape", [(arch, "ragged3") for arch in BUILDERS] + [("qwen3", "batch1")])
 def test_triton_greedy_matches_vanilla(arch, shape):
     model, ids, mask = _on_device(tiny_model(arch), *ragged_batch(SHAPES[shape]))
-    common = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    common = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     expected = model.generate(ids, **common)
     out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=4, vegas_backend="triton",
                          return_dict_in_generate=True, **SPARSE)
@@ -38,7 +39,7 @@ def test_triton_greedy_matches_vanilla(arch, shape):
 def test_triton_policies_match_reference_backend(policy, score):
     """Same selections, same acceptance, same tokens as the torch reference backend."""
     model, ids, mask = _on_device(tiny_model("mistral", seed=1), *ragged_batch([70, 44], seed=1))
-    common = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0, custom_generate="vegas",
+    common = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, custom_generate="vegas",
                   vegas_gamma=4, vegas_policy=policy, vegas_score=score, return_dict_in_generate=True, **SPARSE)
     torch_out = model.generate(ids, **common, vegas_backend="torch")
     triton_out = model.generate(ids, **common, vegas_backend="triton")
@@ -49,7 +50,7 @@ def test_triton_policies_match_reference_backend(policy, score):
 def test_triton_sampling_draws_the_same_tokens_as_reference_backend():
     """Sampling uses the kernels' draft and target probabilities; with one seed both backends draw alike."""
     model, ids, mask = _on_device(tiny_model("qwen3", seed=3), *ragged_batch([60, 33], seed=3))
-    common = dict(attention_mask=mask, max_new_tokens=16, do_sample=True, temperature=1.3, top_k=20,
+    common = dict(attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=1.3, top_k=20,
                   pad_token_id=0, custom_generate="vegas", vegas_gamma=3, **SPARSE)
     torch.manual_seed(7)
     torch_out = model.generate(ids, **common, vegas_backend="torch")

@@ -6,6 +6,10 @@ import functools
 
 import torch
 
+# Launch parameters of the attention kernel, measured on an H100 with `benchmarks/kernels.py --sweep`;
+# the benchmark overrides them to sweep, nothing else should.
+TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4}
+
 # Under TRITON_INTERPRET=1 on the CPU there are no SMs; split as if a small GPU, so split-K paths are exercised.
 _CPU_PROGRAMS = 4
 

@@ -10,6 +10,11 @@ One kernel serves three ops of `hf_vegas.ops.reference`:
 A program owns one (split, row, KV head) and all `groups * T` query rows that share that KV head (GQA), so each
 key and value it gathers is read once for all of them. Partial softmax states go to fp32 scratch and
 `_combine_splits` merges them; it also returns the log-sum-exp, which turns emitted logits into softmax weights.
+
+Score emission is a second, small product per tile: `emit_q @ k^T`, whose rows are exactly what is stored, so no
+tile row has to be extracted by a cross-warp reduction. Without a soft cap, logits are linear in the query, so the
+sum over a KV head's query heads is one row, `(sum_g q_g) @ k^T` (mode "group sum"); softmax weights and soft-capped
+logits need each head's own row (mode "per head").
 """
 
 from __future__ import annotations
@@ -40,25 +45,45 @@ def _attend_list(
     KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     SPARSE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    EMIT: tl.constexpr, NUM_SCORE_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    EMIT: tl.constexpr, NUM_SCORE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
 ):
     split = tl.program_id(0)
     row_head = tl.program_id(1)
     num_splits = tl.num_programs(0)
     b = row_head // KV_HEADS
     kvh = row_head % KV_HEADS
+    rows = T * GROUPS
 
     m = tl.arange(0, BLOCK_M)  # query row m = t * GROUPS + g: token t, query head kvh * GROUPS + g
     t = m // GROUPS
     g = m % GROUPS
-    row_ok = t < T
+    row_ok = m < rows
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        Q + b * stride_qb + (kvh * GROUPS + g)[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
-        mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0,
-    )
+    q_base = Q + b * stride_qb + kvh * GROUPS * stride_qh
+    q = tl.load(q_base + g[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+                mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     q_slot = tl.load(QSlot + b * T + t, mask=row_ok, other=-1)
+
+    if EMIT != 0:
+        e = tl.arange(0, BLOCK_E)
+        if EMIT == 1:  # row e = score row r: the sum of the KV head's query heads
+            e_ok = e < NUM_SCORE_ROWS
+            t_e = tl.load(ScoreRows + e, mask=e_ok, other=0)
+            emit_q = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
+            for gg in tl.static_range(GROUPS):
+                emit_q += tl.load(q_base + gg * stride_qh + t_e[:, None] * stride_qt + d[None, :],
+                                  mask=e_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+            e_row = e
+            e_head = tl.zeros([BLOCK_E], tl.int32) + kvh
+        else:  # row e = (score row r, head g): each query head on its own
+            e_ok = e < NUM_SCORE_ROWS * GROUPS
+            t_e = tl.load(ScoreRows + e // GROUPS, mask=e_ok, other=0)
+            emit_q = tl.load(q_base + (e % GROUPS)[:, None] * stride_qh + t_e[:, None] * stride_qt + d[None, :],
+                             mask=e_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+            e_row = e // GROUPS
+            e_head = kvh * GROUPS + e % GROUPS
+        emit_base = Emit + b * stride_eb + e_row[:, None] * stride_er + e_head[:, None] * stride_eh
 
     kv_len = tl.load(KvLen + b)
     tail_start = tl.load(TailStart + b)
@@ -82,25 +107,16 @@ def _attend_list(
             slot = tl.where(chosen, picked, tail_start + p - count)
         else:
             slot = tail_start + p
-        k = tl.load(
-            K + b * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-            mask=in_list[:, None] & (d[None, :] < HEAD_DIM), other=0.0,
-        )
+        k = tl.load(K + b * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                    mask=in_list[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
         if HAS_SOFTCAP:
             s = _tanh(s / softcap) * softcap
-        if EMIT == 1:  # logits summed over the KV head's query heads, per scored token row
-            for r in tl.static_range(NUM_SCORE_ROWS):
-                t_r = tl.load(ScoreRows + r)
-                emitted = tl.sum(tl.where((t == t_r)[:, None], s, 0.0), axis=0)
-                tl.store(Emit + b * stride_eb + r * stride_er + kvh * stride_eh + slot, emitted, mask=in_list)
-        if EMIT == 2:  # logits of every query head: softmax weights need each head's own log-sum-exp
-            for r in tl.static_range(NUM_SCORE_ROWS):
-                t_r = tl.load(ScoreRows + r)
-                for gg in tl.static_range(GROUPS):
-                    emitted = tl.sum(tl.where((m == t_r * GROUPS + gg)[:, None], s, 0.0), axis=0)
-                    head = kvh * GROUPS + gg
-                    tl.store(Emit + b * stride_eb + r * stride_er + head * stride_eh + slot, emitted, mask=in_list)
+        if EMIT != 0:
+            emitted = tl.dot(emit_q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scaling
+            if HAS_SOFTCAP:
+                emitted = _tanh(emitted / softcap) * softcap
+            tl.store(emit_base + slot[None, :], emitted, mask=e_ok[:, None] & in_list[None, :])
         visible = in_list[None, :] & (slot[None, :] <= q_slot[:, None])
         if HAS_WINDOW:
             visible = visible & (slot[None, :] > q_slot[:, None] - window)
@@ -110,17 +126,15 @@ def _attend_list(
         alpha = tl.exp(m_i - m_safe)
         probs = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(probs, axis=1)
-        v = tl.load(
-            V + b * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
-            mask=in_list[:, None] & (dv[None, :] < V_DIM), other=0.0,
-        )
+        v = tl.load(V + b * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
+                    mask=in_list[:, None] & (dv[None, :] < V_DIM), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    part = (row_head * num_splits + split) * BLOCK_M + m
-    tl.store(MPart + part, m_i)
-    tl.store(LPart + part, l_i)
-    tl.store(OPart + part[:, None] * BLOCK_DV + dv[None, :], acc)
+    part = (row_head * num_splits + split) * rows + m  # only real query rows are stored
+    tl.store(MPart + part, m_i, mask=row_ok)
+    tl.store(LPart + part, l_i, mask=row_ok)
+    tl.store(OPart + part[:, None] * V_DIM + dv[None, :], acc, mask=row_ok[:, None] & (dv[None, :] < V_DIM))
 
 
 @triton.jit
@@ -128,44 +142,49 @@ def _combine_splits(
     MPart, LPart, OPart, Out, Lse, num_splits,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, V_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr, SPLIT_BLOCK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    # A program merges ROWS_PER_PROGRAM query rows of one (row, KV head): first the maximum over all splits, then
+    # the rescaled sums, SPLIT_BLOCK splits per step so that their loads are independent of each other.
     row_head = tl.program_id(0)
-    b = row_head // KV_HEADS
-    kvh = row_head % KV_HEADS
-    m = tl.arange(0, BLOCK_M)
+    rows = T * GROUPS
+    m = tl.program_id(1) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+    m_ok = m < rows
+    base = row_head * num_splits * rows
+    top = tl.full([ROWS_PER_PROGRAM], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        sb = s0 + tl.arange(0, SPLIT_BLOCK)
+        ok = (sb < num_splits)[:, None] & m_ok[None, :]
+        part = base + sb[:, None] * rows + m[None, :]
+        top = tl.maximum(top, tl.max(tl.load(MPart + part, mask=ok, other=float("-inf")), axis=0))
+    top = tl.where(top == float("-inf"), 0.0, top)  # a padding query row sees nothing: zero output, lse -inf
     dv = tl.arange(0, BLOCK_DV)
-    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_run = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for split in range(num_splits):
-        part = (row_head * num_splits + split) * BLOCK_M + m
-        m_s = tl.load(MPart + part)
-        l_s = tl.load(LPart + part)
-        o_s = tl.load(OPart + part[:, None] * BLOCK_DV + dv[None, :])
-        m_new = tl.maximum(m_run, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        old, new = tl.exp(m_run - m_safe), tl.exp(m_s - m_safe)
-        l_run = l_run * old + l_s * new
-        acc = acc * old[:, None] + o_s * new[:, None]
-        m_run = m_new
+    l_total = tl.zeros([ROWS_PER_PROGRAM], tl.float32)
+    acc = tl.zeros([ROWS_PER_PROGRAM, BLOCK_DV], tl.float32)
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        sb = s0 + tl.arange(0, SPLIT_BLOCK)
+        ok = (sb < num_splits)[:, None] & m_ok[None, :]
+        part = base + sb[:, None] * rows + m[None, :]
+        w = tl.exp(tl.load(MPart + part, mask=ok, other=float("-inf")) - top[None, :])
+        l_total += tl.sum(tl.load(LPart + part, mask=ok, other=0.0) * w, axis=0)
+        o = tl.load(OPart + part[:, :, None] * V_DIM + dv[None, None, :],
+                    mask=ok[:, :, None] & (dv[None, None, :] < V_DIM), other=0.0)
+        acc += tl.sum(o * w[:, :, None], axis=0)
+    b = row_head // KV_HEADS
+    head = (row_head % KV_HEADS) * GROUPS + m % GROUPS
     t = m // GROUPS
-    head = kvh * GROUPS + m % GROUPS
-    row_ok = t < T
-    seen = l_run > 0  # a padding query row sees nothing: zero output, log-sum-exp -inf
-    out = acc / tl.where(seen, l_run, 1.0)[:, None]
-    tl.store(
-        Out + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
-        out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < V_DIM),
-    )
-    lse = tl.where(seen, m_run + tl.log(tl.where(seen, l_run, 1.0)), float("-inf"))
-    tl.store(Lse + b * stride_lb + t * stride_lt + head, lse, mask=row_ok)
+    seen = l_total > 0
+    out = acc / tl.where(seen, l_total, 1.0)[:, None]
+    tl.store(Out + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
+             out.to(Out.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < V_DIM))
+    tl.store(Lse + b * stride_lb + t * stride_lt + head,
+             tl.where(seen, top + tl.log(tl.where(seen, l_total, 1.0)), float("-inf")), mask=m_ok)
 
 
 def _num_splits(list_len: int, programs: int, block_n: int, device: torch.device) -> tuple[int, int]:
-    """(splits, chunk): enough programs to fill the GPU about four times, each chunk a multiple of the block."""
+    """(splits, chunk): enough programs to fill the GPU `waves` times, each chunk a multiple of the block."""
     blocks = max(triton.cdiv(max(list_len, 1), block_n), 1)
-    want = max(triton.cdiv(4 * _launch.device_sm_count(device), programs), 1)
+    want = max(triton.cdiv(_launch.TUNING["waves"] * _launch.device_sm_count(device), programs), 1)
     splits = min(want, blocks)
     chunk = triton.cdiv(blocks, splits) * block_n
     return triton.cdiv(blocks * block_n, chunk), chunk
@@ -184,9 +203,10 @@ def attend(
     _, num_slots, kv_heads, _ = k_cache.shape
     v_dim = v_cache.shape[-1]
     groups = q_heads // kv_heads
-    block_m = max(16, triton.next_power_of_2(groups * num_tokens))
+    rows = groups * num_tokens
+    block_m = max(16, triton.next_power_of_2(rows))
     block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(v_dim)
-    block_n = 64 if max(block_d, block_dv) <= 128 else 32
+    block_n = _launch.TUNING["block_n"] if max(block_d, block_dv) <= 128 else 32
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("attend: the cache's last dimension must be contiguous")
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -194,37 +214,44 @@ def attend(
     splits, chunk = _num_splits(list_len, batch * kv_heads, block_n, device)
 
     f32 = {"dtype": torch.float32, "device": device}
-    m_part = _launch.empty(batch * kv_heads * splits * block_m, **f32)
-    l_part = _launch.empty(batch * kv_heads * splits * block_m, **f32)
-    o_part = _launch.empty(batch * kv_heads * splits * block_m * block_dv, **f32)
+    m_part = _launch.empty(batch * kv_heads * splits * rows, **f32)
+    l_part = _launch.empty(batch * kv_heads * splits * rows, **f32)
+    o_part = _launch.empty(batch * kv_heads * splits * rows * v_dim, **f32)
     sparse = sel_idx is not None
-    if emit != EMIT_NONE:
+    emitting = emit != EMIT_NONE
+    if emitting:
         heads = kv_heads if emit == EMIT_GROUP_SUM else q_heads
         emitted = _launch.empty(batch, score_rows.numel(), heads, num_slots, **f32)
-        rows = score_rows
+        score_rows_or_any = score_rows
+        emit_rows = score_rows.numel() * (1 if emit == EMIT_GROUP_SUM else groups)
     else:
-        emitted, rows = m_part, q_slot  # unused placeholders: the kernel never touches them
+        emitted, score_rows_or_any, emit_rows = m_part, q_slot, 1  # unused: the kernel never touches them
     _attend_list[(splits, batch * kv_heads)](
         q, k_cache, v_cache, q_slot.contiguous(), kv_len, sel_idx if sparse else kv_len,
-        sel_count if sparse else kv_len, tail_start, rows, m_part, l_part, o_part, emitted,
+        sel_count if sparse else kv_len, tail_start, score_rows_or_any, m_part, l_part, o_part, emitted,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         sel_idx.stride(0) if sparse else 0,
-        *(emitted.stride()[:3] if emit != EMIT_NONE else (0, 0, 0)),
+        *(emitted.stride()[:3] if emitting else (0, 0, 0)),
         num_tokens, chunk, float(scaling), float(softcap or 1.0), int(window or 0),
         KV_HEADS=kv_heads, GROUPS=groups, HEAD_DIM=head_dim, V_DIM=v_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         SPARSE=sparse, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        EMIT=emit, NUM_SCORE_ROWS=rows.numel() if emit != EMIT_NONE else 0,
-        PRECISION=_launch.dot_precision(q.dtype), num_warps=4, num_stages=2,
+        EMIT=emit, NUM_SCORE_ROWS=score_rows.numel() if emitting else 0,
+        BLOCK_E=max(16, triton.next_power_of_2(emit_rows)), PRECISION=_launch.dot_precision(q.dtype),
+        num_warps=_launch.TUNING["num_warps"], num_stages=_launch.TUNING["num_stages"],
     )
     out = _launch.empty(batch, num_tokens, q_heads, v_dim, dtype=q.dtype, device=device)
     lse = _launch.empty(batch, num_tokens, q_heads, **f32)
-    _combine_splits[(batch * kv_heads,)](
+    # GPU: one query row per program, for parallelism at small batch. Triton's CPU interpreter pays per program,
+    # so there a program takes all rows.
+    per_program = 1 if device.type == "cuda" else triton.next_power_of_2(rows)
+    split_block = max(1, min(triton.next_power_of_2(splits), 4096 // (per_program * block_dv)))
+    _combine_splits[(batch * kv_heads, triton.cdiv(rows, per_program))](
         m_part, l_part, o_part, out, lse, splits,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        num_tokens, KV_HEADS=kv_heads, GROUPS=groups, V_DIM=v_dim, BLOCK_M=block_m, BLOCK_DV=block_dv,
-        num_warps=4,
+        num_tokens, KV_HEADS=kv_heads, GROUPS=groups, V_DIM=v_dim,
+        ROWS_PER_PROGRAM=per_program, SPLIT_BLOCK=split_block, BLOCK_DV=block_dv, num_warps=4,
     )
-    return out, lse, (emitted if emit != EMIT_NONE else None)
+    return out, lse, (emitted if emitting else None)

@@ -44,12 +44,13 @@ def verify_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, s
                      list_len=None):
     """Dense attention that also emits the logits of the query rows `score_rows` for every slot it reads.
 
-    Returns `(out (B, T, Hq, Dv), emitted (B, R, heads, S), lse (B, T, Hq))`: `score="logits"` emits per-KV-head
-    group sums (heads = Hkv), `score="weights"` per query head (heads = Hq), for `finalize_scores`.
+    Returns `(out (B, T, Hq, Dv), emitted (B, R, heads, S), lse (B, T, Hq))`, for `finalize_scores`:
+    `score="logits"` emits per-KV-head group sums (heads = Hkv), as logits are linear in the query; softmax weights,
+    and soft-capped logits, need every query head's own logits (heads = Hq).
     """
     if score not in ("logits", "weights"):
         raise ValueError(f"score must be 'logits' or 'weights', got {score!r}")
-    emit = EMIT_PER_HEAD if score == "weights" else EMIT_GROUP_SUM
+    emit = EMIT_GROUP_SUM if score == "logits" and softcap is None else EMIT_PER_HEAD
     out, lse, emitted = attend(
         q, k_cache, v_cache, q_slot, kv_len, scaling, tail_start=_dense_start(q_slot, None),
         list_len=list_len if list_len is not None else k_cache.shape[1], softcap=softcap,

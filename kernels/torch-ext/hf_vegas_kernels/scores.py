@@ -39,14 +39,15 @@ def _finalize_scores(
         tl.store(Out + b * stride_ob + slot, tl.where(candidate, total / NUM_ROWS, float("-inf")), mask=in_buffer)
 
 
-def finalize_scores(emitted, lse, score_rows, cand_end, q_heads: int, weights: bool, mean_rows: bool):
-    """Scores `(B, 1 if mean_rows else R, S)` fp32, `-inf` outside `[0, cand_end)`.
+def finalize_scores(emitted, lse, score_rows, cand_end, q_heads: int, weights: bool, mean_rows: bool, out=None):
+    """Scores `(B, 1 if mean_rows else R, S)` fp32, `-inf` outside `[0, cand_end)`, written into `out` if given.
 
     `emitted` `(B, R, heads, S)` holds logits per query head (`weights=True` needs them) or per KV-head group sum;
     `lse` `(B, T, Hq)` is the verification's log-sum-exp; `score_rows` `(R,)` the token rows that were emitted.
     """
     batch, num_rows, heads, num_slots = emitted.shape
-    out = _launch.empty(batch, 1 if mean_rows else num_rows, num_slots, dtype=torch.float32, device=emitted.device)
+    if out is None:
+        out = _launch.empty(batch, 1 if mean_rows else num_rows, num_slots, dtype=torch.float32, device=emitted.device)
     block = 1024
     _finalize_scores[(batch, triton.cdiv(num_slots, block))](
         emitted, lse, score_rows, cand_end, out, num_slots,

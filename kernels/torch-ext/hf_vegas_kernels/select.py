@@ -1,9 +1,11 @@
-"""Top-k selection per row without a host synchronisation: a radix-style threshold search, then compaction.
+"""Top-k selection per (layer, row) without a host synchronisation: a threshold search, then compaction.
 
 Scores are mapped to int32 keys with the same order as the floats. Each pass counts, for 16 evenly spaced
-thresholds at once, how many candidates reach them and keeps the last threshold that still leaves at least `k`;
-about 8 passes pin the k-th largest key exactly. One last pass writes the slots above it, then as many ties as
-still fit, in slot order. The output lists are therefore ascending, which keeps the draft kernel's gathers local.
+thresholds at once, how many candidates reach them and keeps the highest threshold that still leaves at least `k`;
+8 passes pin the k-th largest key exactly. One pass counts the keys above it, a last one writes those slots, then
+as many ties as still fit, in slot order. The lists are therefore ascending (local gathers for the draft kernel)
+and deterministic. One program per (layer, row): called once per verification for all layers, there are
+`layers * batch` of them.
 """
 
 from __future__ import annotations
@@ -13,21 +15,26 @@ import triton
 import triton.language as tl
 
 _THRESHOLDS = 16
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
 @triton.jit
 def _ordered_key(x):
     bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
 @triton.jit
 def _select_topk(
-    Scores, Count, CandEnd, Out, stride_sb, stride_ob,
+    Scores, Count, CandEnd, Out, Layers, batch,
+    stride_sl, stride_sb, stride_ol, stride_ob,
     BLOCK_S: tl.constexpr, THRESHOLDS: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    k = tl.load(Count + b).to(tl.int64)
+    program = tl.program_id(0)
+    layer = tl.load(Layers + program // batch)
+    b = program % batch
+    scores = Scores + layer * stride_sl + b * stride_sb
+    k = tl.load(Count + b).to(tl.int32)
     n = tl.load(CandEnd + b)
     lane = tl.arange(0, THRESHOLDS).to(tl.int64)
     # Invariant: at least k candidates have key >= lo, and the k-th largest key lies in [lo, hi].
@@ -35,49 +42,59 @@ def _select_topk(
     hi = tl.full([], 2147483647, tl.int64)
     while lo < hi:
         step = (hi - lo + THRESHOLDS) // THRESHOLDS
-        threshold = lo + lane * step
-        reached = tl.zeros([THRESHOLDS], tl.int64)
+        threshold = tl.minimum(lo + lane * step, 2147483647)
+        threshold32 = threshold.to(tl.int32)
+        reached = tl.zeros([THRESHOLDS], tl.int32)
         for s0 in range(0, n, BLOCK_S):
             slot = s0 + tl.arange(0, BLOCK_S)
             valid = slot < n
-            key = _ordered_key(tl.load(Scores + b * stride_sb + slot, mask=valid, other=0.0))
-            hit = valid[:, None] & (key[:, None] >= threshold[None, :])
-            reached += tl.sum(hit.to(tl.int64), axis=0)
-        best = tl.max(tl.where(reached >= k, lane, 0), axis=0)
-        lo = lo + best * step
+            key = _ordered_key(tl.load(scores + slot, mask=valid, other=float("-inf")))
+            key = tl.where(valid, key, -2147483648)  # below every real key, never counted (thresholds > it)
+            reached += tl.sum((key[:, None] >= threshold32[None, :]).to(tl.int32), axis=0)
+        reached = tl.where(lane == 0, k, reached)  # lo itself always qualifies (invariant), even at INT32_MIN
+        lo = tl.max(tl.where(reached >= k, threshold, -2147483648), axis=0)
         hi = tl.minimum(hi, lo + step - 1)
-    kth = lo
-    above = tl.zeros([], tl.int64)
+    kth = lo.to(tl.int32)
+    above = tl.zeros([], tl.int32)
     for s0 in range(0, n, BLOCK_S):
         slot = s0 + tl.arange(0, BLOCK_S)
         valid = slot < n
-        key = _ordered_key(tl.load(Scores + b * stride_sb + slot, mask=valid, other=0.0))
-        above += tl.sum((valid & (key > kth)).to(tl.int64), axis=0)
+        key = _ordered_key(tl.load(scores + slot, mask=valid, other=float("-inf")))
+        above += tl.sum((valid & (key > kth)).to(tl.int32), axis=0)
     ties_wanted = k - above
-    taken = tl.zeros([], tl.int64)
-    ties_seen = tl.zeros([], tl.int64)
+    taken = tl.zeros([], tl.int32)
+    ties_seen = tl.zeros([], tl.int32)
+    out = Out + layer * stride_ol + b * stride_ob
     for s0 in range(0, n, BLOCK_S):
         slot = s0 + tl.arange(0, BLOCK_S)
         valid = slot < n
-        key = _ordered_key(tl.load(Scores + b * stride_sb + slot, mask=valid, other=0.0))
-        tie = (valid & (key == kth)).to(tl.int64)
+        key = _ordered_key(tl.load(scores + slot, mask=valid, other=float("-inf")))
+        tie = (valid & (key == kth)).to(tl.int32)
         tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
-        take = ((valid & (key > kth)) | ((tie == 1) & (tie_rank < ties_wanted))).to(tl.int64)
+        take = ((valid & (key > kth)) | ((tie == 1) & (tie_rank < ties_wanted))).to(tl.int32)
         position = taken + tl.cumsum(take, axis=0) - take
-        tl.store(Out + b * stride_ob + position, slot.to(tl.int64), mask=take == 1)
+        tl.store(out + position, slot.to(tl.int64), mask=take == 1)
         taken += tl.sum(take, axis=0)
         ties_seen += tl.sum(tie, axis=0)
 
 
-def select_topk(scores: torch.Tensor, count: torch.Tensor, cand_end: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Write into `out[b, :count[b]]` the slots of the `count[b]` highest `scores[b, :cand_end[b]]`, ascending.
+def select_topk(scores, count, cand_end, out, layers=None):
+    """Write into `out[..., b, :count[b]]` the slots of the `count[b]` highest `scores[..., b, :cand_end[b]]`.
 
-    `count[b] <= cand_end[b]` is required (the budget never exceeds the candidates); `out[b, count[b]:]` is left
-    untouched. Returns `out`.
+    `scores` `(B, S)` with `out` `(B, K)`, or `scores` `(L, B, S)` with `out` `(L, B, K)` and `layers` the layer
+    indices to select for (default: all). Slots come out ascending; `count[b] <= cand_end[b]` is required (the
+    budget never exceeds the candidates) and `out[..., b, count[b]:]` is left untouched. Returns `out`.
     """
-    batch = scores.shape[0]
-    _select_topk[(batch,)](
-        scores, count, cand_end, out, scores.stride(0), out.stride(0),
+    if scores.dim() == 2:
+        scores, out3 = scores[None], out[None]
+    else:
+        out3 = out
+    if layers is None:
+        layers = torch.arange(scores.shape[0], device=scores.device)
+    batch = scores.shape[1]
+    _select_topk[(layers.numel() * batch,)](
+        scores, count, cand_end, out3, layers, batch,
+        scores.stride(0), scores.stride(1), out3.stride(0), out3.stride(1),
         BLOCK_S=1024, THRESHOLDS=_THRESHOLDS, num_warps=8,
     )
     return out
