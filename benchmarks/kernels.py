@@ -82,7 +82,7 @@ def read_bandwidth() -> float:
     """Read-only bandwidth in bytes/s: a full reduction over a 1 GiB buffer (what an attention kernel does)."""
     src = torch.ones(1 << 29, dtype=torch.bfloat16, device="cuda")
     out = torch.empty((), dtype=torch.float32, device="cuda")
-    return 2 * src.numel() / graph_time(lambda i: torch.sum(src, dtype=torch.float32, out=out), 1)
+    return 2 * src.numel() / graph_time(lambda i: torch.sum(src, dim=0, dtype=torch.float32, out=out), 1)
 
 
 def budget(n: int) -> int:
