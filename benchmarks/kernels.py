@@ -177,13 +177,14 @@ def sweep(name, batch, context, dtype, bandwidth, base, write):
 
     from hf_vegas_kernels import _launch
 
-    default = dict(_launch.TUNING)
+    default = {kind: dict(values) for kind, values in _launch.TUNING.items()}
     try:
         for block_n, warps, stages, waves in product([32, 64], [4, 8], [2, 3], [2, 4, 8]):
-            _launch.TUNING.update(block_n=block_n, num_warps=warps, num_stages=stages, waves=waves)
-            times = bench_shape(name, batch, context, dtype, bandwidth, {**base, "sweep": dict(_launch.TUNING)},
-                                lambda record: None, light=True)
-            write({**base, "sweep": dict(_launch.TUNING), "shape": name, "batch": batch, "context": context,
+            setting = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves}
+            for kind in _launch.TUNING:  # sparse and dense lists alike
+                _launch.TUNING[kind] = dict(setting)
+            times = bench_shape(name, batch, context, dtype, bandwidth, base, lambda record: None, light=True)
+            write({**base, "sweep": setting, "shape": name, "batch": batch, "context": context,
                    "op": "sweep", **{f"{op}_us": t * 1e6 for op, t in times.items()}})
     finally:
         _launch.TUNING.update(default)

@@ -6,9 +6,13 @@ import functools
 
 import torch
 
-# Launch parameters of the attention kernel, measured on an H100 with `benchmarks/kernels.py --sweep`;
-# the benchmark overrides them to sweep, nothing else should.
-TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4}
+# Launch parameters of the attention kernel, per list kind, chosen on an H100 with `benchmarks/kernels.py --sweep`
+# (Qwen3-8B and SmolLM2 shapes, batch 1 and 8, 32K context; results in benchmarks/results/kernels_sweep.jsonl).
+# `waves`: programs per SM the splits aim for. The benchmark overrides these to sweep; nothing else should.
+TUNING = {
+    "sparse": {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4},
+    "dense": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2},
+}
 
 # Under TRITON_INTERPRET=1 on the CPU there are no SMs; split as if a small GPU, so split-K paths are exercised.
 _CPU_PROGRAMS = 4

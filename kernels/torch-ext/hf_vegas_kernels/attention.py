@@ -181,10 +181,10 @@ def _combine_splits(
              tl.where(seen, top + tl.log(tl.where(seen, l_total, 1.0)), float("-inf")), mask=m_ok)
 
 
-def _num_splits(list_len: int, programs: int, block_n: int, device: torch.device) -> tuple[int, int]:
+def _num_splits(list_len: int, programs: int, block_n: int, waves: int, device) -> tuple[int, int]:
     """(splits, chunk): enough programs to fill the GPU `waves` times, each chunk a multiple of the block."""
     blocks = max(triton.cdiv(max(list_len, 1), block_n), 1)
-    want = max(triton.cdiv(_launch.TUNING["waves"] * _launch.device_sm_count(device), programs), 1)
+    want = max(triton.cdiv(waves * _launch.device_sm_count(device), programs), 1)
     splits = min(want, blocks)
     chunk = triton.cdiv(blocks, splits) * block_n
     return triton.cdiv(blocks * block_n, chunk), chunk
@@ -206,18 +206,19 @@ def attend(
     rows = groups * num_tokens
     block_m = max(16, triton.next_power_of_2(rows))
     block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(v_dim)
-    block_n = _launch.TUNING["block_n"] if max(block_d, block_dv) <= 128 else 32
+    sparse = sel_idx is not None
+    tuning = _launch.TUNING["sparse" if sparse else "dense"]
+    block_n = tuning["block_n"] if max(block_d, block_dv) <= 128 else 32
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("attend: the cache's last dimension must be contiguous")
     q = q if q.stride(-1) == 1 else q.contiguous()
     device = q.device
-    splits, chunk = _num_splits(list_len, batch * kv_heads, block_n, device)
+    splits, chunk = _num_splits(list_len, batch * kv_heads, block_n, tuning["waves"], device)
 
     f32 = {"dtype": torch.float32, "device": device}
     m_part = _launch.empty(batch * kv_heads * splits * rows, **f32)
     l_part = _launch.empty(batch * kv_heads * splits * rows, **f32)
     o_part = _launch.empty(batch * kv_heads * splits * rows * v_dim, **f32)
-    sparse = sel_idx is not None
     emitting = emit != EMIT_NONE
     if emitting:
         heads = kv_heads if emit == EMIT_GROUP_SUM else q_heads
@@ -240,7 +241,7 @@ def attend(
         SPARSE=sparse, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
         EMIT=emit, NUM_SCORE_ROWS=score_rows.numel() if emitting else 0,
         BLOCK_E=max(16, triton.next_power_of_2(emit_rows)), PRECISION=_launch.dot_precision(q.dtype),
-        num_warps=_launch.TUNING["num_warps"], num_stages=_launch.TUNING["num_stages"],
+        num_warps=tuning["num_warps"], num_stages=tuning["num_stages"],
     )
     out = _launch.empty(batch, num_tokens, q_heads, v_dim, dtype=q.dtype, device=device)
     lse = _launch.empty(batch, num_tokens, q_heads, **f32)
