@@ -83,6 +83,9 @@ def _attend_list(
                              mask=e_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
             e_row = e // GROUPS
             e_head = kvh * GROUPS + e % GROUPS
+        # In the cache's dtype, like the attention product itself: a second fp32 copy of every key tile would cost
+        # registers and occupancy. (Group sums are rounded once more: the selection's ranking tolerates it.)
+        emit_q = emit_q.to(Q.dtype.element_ty)
         emit_base = Emit + b * stride_eb + e_row[:, None] * stride_er + e_head[:, None] * stride_eh
 
     kv_len = tl.load(KvLen + b)
@@ -113,7 +116,7 @@ def _attend_list(
         if HAS_SOFTCAP:
             s = _tanh(s / softcap) * softcap
         if EMIT != 0:
-            emitted = tl.dot(emit_q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scaling
+            emitted = tl.dot(emit_q, tl.trans(k), input_precision=PRECISION) * scaling
             if HAS_SOFTCAP:
                 emitted = _tanh(emitted / softcap) * softcap
             tl.store(emit_base + slot[None, :], emitted, mask=e_ok[:, None] & in_list[None, :])

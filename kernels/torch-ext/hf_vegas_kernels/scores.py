@@ -14,22 +14,24 @@ def _finalize_scores(
     Emit, Lse, ScoreRows, CandEnd, Out, num_slots,
     stride_eb, stride_er, stride_eh, stride_lb, stride_lt, stride_ob, stride_or,
     EMIT_HEADS: tl.constexpr, Q_HEADS: tl.constexpr, NUM_ROWS: tl.constexpr,
-    WEIGHTS: tl.constexpr, MEAN_ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
+    WEIGHTS: tl.constexpr, MEAN_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     slot = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     in_buffer = slot < num_slots
     candidate = slot < tl.load(CandEnd + b)
+    h = tl.arange(0, BLOCK_H)
+    h_ok = h < EMIT_HEADS
+    ok = h_ok[:, None] & candidate[None, :]
     total = tl.zeros([BLOCK_S], tl.float32)
     for r in tl.static_range(NUM_ROWS):
-        row = tl.zeros([BLOCK_S], tl.float32)
-        t_r = tl.load(ScoreRows + r)
-        for h in range(EMIT_HEADS):
-            value = tl.load(Emit + b * stride_eb + r * stride_er + h * stride_eh + slot, mask=candidate, other=0.0)
-            if WEIGHTS:  # softmax weight of head h: exp(logit - that head's log-sum-exp over the row)
-                value = tl.exp(value - tl.load(Lse + b * stride_lb + t_r * stride_lt + h))
-            row += value
-        row = row / Q_HEADS  # emitted heads hold either one head each or a KV head's group sum
+        values = tl.load(Emit + b * stride_eb + r * stride_er + h[:, None] * stride_eh + slot[None, :],
+                         mask=ok, other=0.0)  # every emitted head of this row at once
+        if WEIGHTS:  # softmax weight of head h: exp(logit - that head's log-sum-exp over the row)
+            t_r = tl.load(ScoreRows + r)
+            lse = tl.load(Lse + b * stride_lb + t_r * stride_lt + h, mask=h_ok, other=0.0)
+            values = tl.where(ok, tl.exp(values - lse[:, None]), 0.0)
+        row = tl.sum(values, axis=0) / Q_HEADS  # emitted heads hold either one head each or a KV head's group sum
         if MEAN_ROWS:
             total += row
         else:
@@ -48,12 +50,13 @@ def finalize_scores(emitted, lse, score_rows, cand_end, q_heads: int, weights: b
     batch, num_rows, heads, num_slots = emitted.shape
     if out is None:
         out = _launch.empty(batch, 1 if mean_rows else num_rows, num_slots, dtype=torch.float32, device=emitted.device)
-    block = 1024
+    block_h = triton.next_power_of_2(heads)
+    block = max(64, 8192 // block_h)  # one (heads x slots) tile of 8K values per row and program
     _finalize_scores[(batch, triton.cdiv(num_slots, block))](
         emitted, lse, score_rows, cand_end, out, num_slots,
         emitted.stride(0), emitted.stride(1), emitted.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         EMIT_HEADS=heads, Q_HEADS=q_heads, NUM_ROWS=num_rows, WEIGHTS=weights, MEAN_ROWS=mean_rows,
-        BLOCK_S=block, num_warps=4,
+        BLOCK_H=block_h, BLOCK_S=block, num_warps=4,
     )
     return out
