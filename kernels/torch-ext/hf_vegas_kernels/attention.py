@@ -11,11 +11,10 @@ A program owns one (split, row, KV head) and all `groups * T` query rows that sh
 key and value it gathers is read once for all of them. Partial softmax states go to fp32 scratch and
 `_combine_splits` merges them; it also returns the log-sum-exp, which turns emitted logits into softmax weights.
 
-Score emission stores rows of the logits tile itself, masked to the scored rows: no extra product, and no tile
-row has to be pulled out by a cross-warp reduction. Softmax weights (and soft-capped logits) need every query
-head's row of the scored tokens ("per head"); raw logits are linear in the query, so the sum over a KV head's query
-heads is the logit of the summed query, computed as an extra row of the tile, usually inside its padding
-("group sum").
+Score emission is a second, small product per tile: `emit_q @ k^T`, whose rows are exactly what is stored, so no
+tile row has to be extracted by a cross-warp reduction. Without a soft cap, logits are linear in the query, so the
+sum over a KV head's query heads is one row, `(sum_g q_g) @ k^T` (mode "group sum"); softmax weights and soft-capped
+logits need each head's own row (mode "per head").
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ def _attend_list(
     KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     SPARSE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    EMIT: tl.constexpr, NUM_SCORE_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    EMIT: tl.constexpr, NUM_SCORE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
 ):
     split = tl.program_id(0)
     row_head = tl.program_id(1)
@@ -61,29 +60,33 @@ def _attend_list(
     row_ok = m < rows
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    d_ok = d[None, :] < HEAD_DIM
     q_base = Q + b * stride_qb + kvh * GROUPS * stride_qh
     q = tl.load(q_base + g[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
-                mask=row_ok[:, None] & d_ok, other=0.0)
+                mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     q_slot = tl.load(QSlot + b * T + t, mask=row_ok, other=-1)
 
-    # Score emission stores rows of the logits tile itself, so it costs no extra product and no row extraction.
-    if EMIT == 1:  # extra rows after the real ones: row rows + r holds the sum of the KV head's queries of token t_r
-        r_of_m = m - rows
-        emit_m = (r_of_m >= 0) & (r_of_m < NUM_SCORE_ROWS)
-        t_e = tl.load(ScoreRows + r_of_m, mask=emit_m, other=0)
-        summed = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for gg in tl.static_range(GROUPS):
-            summed += tl.load(q_base + gg * stride_qh + t_e[:, None] * stride_qt + d[None, :],
-                              mask=emit_m[:, None] & d_ok, other=0.0).to(tl.float32)
-        q = tl.where(emit_m[:, None], summed.to(q.dtype), q)  # (one more rounding, which the ranking tolerates)
-        emit_ptr = Emit + b * stride_eb + r_of_m * stride_er + kvh * stride_eh
-    if EMIT == 2:  # the query rows of the scored tokens, each head on its own
-        r_of_m = tl.full([BLOCK_M], -1, tl.int32)
-        for r in tl.static_range(NUM_SCORE_ROWS):
-            r_of_m = tl.where(t == tl.load(ScoreRows + r), r, r_of_m)
-        emit_m = row_ok & (r_of_m >= 0)
-        emit_ptr = Emit + b * stride_eb + r_of_m * stride_er + (kvh * GROUPS + g) * stride_eh
+    if EMIT != 0:
+        e = tl.arange(0, BLOCK_E)
+        if EMIT == 1:  # row e = score row r: the sum of the KV head's query heads
+            e_ok = e < NUM_SCORE_ROWS
+            t_e = tl.load(ScoreRows + e, mask=e_ok, other=0)
+            emit_q = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
+            for gg in tl.static_range(GROUPS):
+                emit_q += tl.load(q_base + gg * stride_qh + t_e[:, None] * stride_qt + d[None, :],
+                                  mask=e_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+            e_row = e
+            e_head = tl.zeros([BLOCK_E], tl.int32) + kvh
+        else:  # row e = (score row r, head g): each query head on its own
+            e_ok = e < NUM_SCORE_ROWS * GROUPS
+            t_e = tl.load(ScoreRows + e // GROUPS, mask=e_ok, other=0)
+            emit_q = tl.load(q_base + (e % GROUPS)[:, None] * stride_qh + t_e[:, None] * stride_qt + d[None, :],
+                             mask=e_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+            e_row = e // GROUPS
+            e_head = kvh * GROUPS + e % GROUPS
+        # In the cache's dtype, like the attention product itself: a second fp32 copy of every key tile would cost
+        # registers and occupancy. (Group sums are rounded once more: the selection's ranking tolerates it.)
+        emit_q = emit_q.to(Q.dtype.element_ty)
+        emit_base = Emit + b * stride_eb + e_row[:, None] * stride_er + e_head[:, None] * stride_eh
 
     kv_len = tl.load(KvLen + b)
     tail_start = tl.load(TailStart + b)
@@ -113,7 +116,10 @@ def _attend_list(
         if HAS_SOFTCAP:
             s = _tanh(s / softcap) * softcap
         if EMIT != 0:
-            tl.store(emit_ptr[:, None] + slot[None, :], s, mask=emit_m[:, None] & in_list[None, :])
+            emitted = tl.dot(emit_q, tl.trans(k), input_precision=PRECISION) * scaling
+            if HAS_SOFTCAP:
+                emitted = _tanh(emitted / softcap) * softcap
+            tl.store(emit_base + slot[None, :], emitted, mask=e_ok[:, None] & in_list[None, :])
         visible = in_list[None, :] & (slot[None, :] <= q_slot[:, None])
         if HAS_WINDOW:
             visible = visible & (slot[None, :] > q_slot[:, None] - window)
@@ -201,8 +207,7 @@ def attend(
     v_dim = v_cache.shape[-1]
     groups = q_heads // kv_heads
     rows = groups * num_tokens
-    extra_rows = score_rows.numel() if emit == EMIT_GROUP_SUM else 0  # the group sums ride in the query tile
-    block_m = max(16, triton.next_power_of_2(rows + extra_rows))
+    block_m = max(16, triton.next_power_of_2(rows))
     block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(v_dim)
     sparse = sel_idx is not None
     tuning = _launch.TUNING["sparse" if sparse else "dense"]
@@ -222,8 +227,9 @@ def attend(
         heads = kv_heads if emit == EMIT_GROUP_SUM else q_heads
         emitted = _launch.empty(batch, score_rows.numel(), heads, num_slots, **f32)
         score_rows_or_any = score_rows
+        emit_rows = score_rows.numel() * (1 if emit == EMIT_GROUP_SUM else groups)
     else:
-        emitted, score_rows_or_any = m_part, q_slot  # unused: the kernel never touches them
+        emitted, score_rows_or_any, emit_rows = m_part, q_slot, 1  # unused: the kernel never touches them
     _attend_list[(splits, batch * kv_heads)](
         q, k_cache, v_cache, q_slot.contiguous(), kv_len, sel_idx if sparse else kv_len,
         sel_count if sparse else kv_len, tail_start, score_rows_or_any, m_part, l_part, o_part, emitted,
@@ -237,7 +243,7 @@ def attend(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         SPARSE=sparse, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
         EMIT=emit, NUM_SCORE_ROWS=score_rows.numel() if emitting else 0,
-        PRECISION=_launch.dot_precision(q.dtype),
+        BLOCK_E=max(16, triton.next_power_of_2(emit_rows)), PRECISION=_launch.dot_precision(q.dtype),
         num_warps=tuning["num_warps"], num_stages=tuning["num_stages"],
     )
     out = _launch.empty(batch, num_tokens, q_heads, v_dim, dtype=q.dtype, device=device)
