@@ -128,14 +128,15 @@ def bench_shape(name, batch, context, dtype, bandwidth, base, write, light=False
     t_verify = graph_time(lambda i: kernels.dense_attention(qv, *caches[i], slotv, kv_len, scaling), copies)
     record("verify", t_verify, full_read, full_read + q_bytes(qv))
     rows = torch.tensor([0, GAMMA], device="cuda")
-    for score, emitted_heads in () if light else (("logits", kv_heads), ("weights", q_heads)):
+    timed = {}
+    for score, emitted_heads in (("logits", kv_heads),) if light else (("logits", kv_heads), ("weights", q_heads)):
         seconds = graph_time(
             lambda i, score=score: kernels.verify_attention(qv, *caches[i], slotv, kv_len, scaling, rows, score),
             copies,
         )
         emitted = batch * 2 * emitted_heads * context * 4
-        record(f"verify+scores({score})", seconds, full_read, full_read + q_bytes(qv) + emitted,
-               overhead_vs_verify=seconds / t_verify - 1)
+        timed[score] = record(f"verify+scores({score})", seconds, full_read, full_read + q_bytes(qv) + emitted,
+                              overhead_vs_verify=seconds / t_verify - 1)
 
     # Sparse draft: the budget's selected slots plus the tail (accepted tokens and drafts since the selection).
     sel_end = kv_len - GAMMA - 1
@@ -150,7 +151,7 @@ def bench_shape(name, batch, context, dtype, bandwidth, base, write, light=False
     record("draft", t_draft, draft_read, draft_read + batch * count * 8 + q_bytes(q1), selected=count)
 
     if light:
-        return {"dense": t_dense, "verify": t_verify, "draft": t_draft}
+        return {"dense": t_dense, "verify": t_verify, "draft": t_draft, "verify_logits": timed["logits"]}
     # Selection: finalise the emitted scores (once per layer), then top-k for every layer in one launch.
     _, emitted, lse = kernels.verify_attention(qv, *caches[0], slotv, kv_len, scaling, rows, "weights")
     layer_scores = torch.empty(layers, batch, slots, device="cuda")
@@ -231,7 +232,7 @@ def main() -> None:
     if args.sweep:
         for key in summary:
             rows = [r for r in records if (r["shape"], r["batch"], r["context"]) == key]
-            for op in ("draft", "dense", "verify"):
+            for op in ("draft", "dense", "verify", "verify_logits"):
                 best = min(rows, key=lambda r: r[f"{op}_us"])
                 print(f"{key} best {op}: {best[f'{op}_us']:.1f} us with {best['sweep']}")
         return
