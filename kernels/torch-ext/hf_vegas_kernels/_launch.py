@@ -6,12 +6,16 @@ import functools
 
 import torch
 
-# Launch parameters of the attention kernel, per list kind, chosen on an H100 with `benchmarks/kernels.py --sweep`
-# (Qwen3-8B and SmolLM2 shapes, batch 1 and 8, 32K context; results in benchmarks/results/kernels_sweep.jsonl).
-# `waves`: programs per SM the splits aim for. The benchmark overrides these to sweep; nothing else should.
+# Launch parameters of the attention kernel, per kind of call, chosen on an H100 with `benchmarks/kernels.py --sweep`
+# (results in benchmarks/results/kernels_sweep.jsonl). `waves`: programs per SM the splits aim for. Verification
+# (several query tokens) of head_dim 128 wanted many more splits (Qwen3-8B, batch 4 x 32K: 212 us at 8 waves, 258 us
+# at 2), head_dim 64 fewer (SmolLM2, batch 64 x 8K: 161 us at 2 waves, 189 us at 8). The benchmark overrides these
+# to sweep; nothing else should.
 TUNING = {
     "sparse": {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4},
     "dense": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2},
+    "verify": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2},
+    "verify_wide_head": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 8},
 }
 
 # Under TRITON_INTERPRET=1 on the CPU there are no SMs; split as if a small GPU, so split-K paths are exercised.

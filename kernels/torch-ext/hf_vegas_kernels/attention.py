@@ -210,7 +210,13 @@ def attend(
     block_m = max(16, triton.next_power_of_2(rows))
     block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(v_dim)
     sparse = sel_idx is not None
-    tuning = _launch.TUNING["sparse" if sparse else "dense"]
+    if sparse:
+        kind = "sparse"
+    elif num_tokens == 1:
+        kind = "dense"
+    else:
+        kind = "verify_wide_head" if block_d >= 128 else "verify"
+    tuning = _launch.TUNING[kind]
     block_n = tuning["block_n"] if max(block_d, block_dv) <= 128 else 32
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("attend: the cache's last dimension must be contiguous")
