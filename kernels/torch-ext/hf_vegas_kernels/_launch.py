@@ -8,8 +8,9 @@ import torch
 
 # Launch parameters of the attention kernel, per kind of call, chosen on an H100 with `benchmarks/kernels.py --sweep`
 # (results in benchmarks/results/kernels_sweep.jsonl). `waves`: programs per SM the splits aim for. Verification
-# (several query tokens) of head_dim 128 wanted many more splits (Qwen3-8B, batch 4 x 32K: 212 us at 8 waves, 258 us
-# at 2), head_dim 64 fewer (SmolLM2, batch 64 x 8K: 161 us at 2 waves, 189 us at 8). The benchmark overrides these
+# (several query tokens) with head_dim 128 and at least 32 (row, KV head) pairs wanted many more splits (Qwen3-8B,
+# batch 4 x 32K: 212 us at 8 waves, 258 us at 2), but not at batch 1 (1 x 128K: 196 us at 2 waves, 217 us at 8),
+# and head_dim 64 fewer (SmolLM2, batch 64 x 8K: 161 us at 2 waves, 189 us at 8). The benchmark overrides these
 # to sweep; nothing else should.
 TUNING = {
     "sparse": {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4},

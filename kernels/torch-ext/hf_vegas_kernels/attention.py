@@ -215,7 +215,7 @@ def attend(
     elif num_tokens == 1:
         kind = "dense"
     else:
-        kind = "verify_wide_head" if block_d >= 128 else "verify"
+        kind = "verify_wide_head" if block_d >= 128 and batch * kv_heads >= 32 else "verify"
     tuning = _launch.TUNING[kind]
     block_n = tuning["block_n"] if max(block_d, block_dv) <= 128 else 32
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
