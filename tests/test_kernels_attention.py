@@ -133,3 +133,19 @@ def test_kernels_at_real_sizes_on_gpu(head_dim, q_heads, kv_heads, dtype):
     finite = torch.isfinite(want)
     assert torch.equal(torch.isfinite(got), finite)
     torch.testing.assert_close(got[finite], want[finite], atol=1e-4, rtol=5e-2)
+
+
+@gpu
+@pytest.mark.gpu
+def test_offsets_past_int32_on_gpu():
+    """Row 1 of a 4.5 GB key buffer starts past 2**31 elements: offsets must be computed in 64 bits."""
+    slots, kv_heads, head_dim = (1 << 31) // (8 * 128) + 4096, 8, 128
+    case = make_case([slots - 9, slots - 100], [3, 3], 1, head_dim, 32, kv_heads, slots=slots, dtype=torch.bfloat16,
+                     device="cuda", sparsity=0.001)
+    assert case.k.stride(0) * 1 >= 2**31
+    draft_args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
+    got = kernels.sparse_draft_attention(case.q, case.k, case.v, *draft_args)
+    _assert_close(got, reference.sparse_draft_attention(case.q.float(), case.k, case.v, *draft_args), torch.bfloat16)
+    got = kernels.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling)
+    expected = reference.dense_attention(case.q.float(), case.k, case.v, case.q_slot, case.kv_len, case.scaling)
+    _assert_close(got, expected, torch.bfloat16)

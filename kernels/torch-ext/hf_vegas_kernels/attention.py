@@ -50,7 +50,7 @@ def _attend_list(
     split = tl.program_id(0)
     row_head = tl.program_id(1)
     num_splits = tl.num_programs(0)
-    b = row_head // KV_HEADS
+    b = (row_head // KV_HEADS).to(tl.int64)  # b * stride_kb passes 2**31 elements in large caches
     kvh = row_head % KV_HEADS
     rows = T * GROUPS
 
@@ -173,7 +173,7 @@ def _combine_splits(
         o = tl.load(OPart + part[:, :, None] * V_DIM + dv[None, None, :],
                     mask=ok[:, :, None] & (dv[None, None, :] < V_DIM), other=0.0)
         acc += tl.sum(o * w[:, :, None], axis=0)
-    b = row_head // KV_HEADS
+    b = (row_head // KV_HEADS).to(tl.int64)
     head = (row_head % KV_HEADS) * GROUPS + m % GROUPS
     t = m // GROUPS
     seen = l_total > 0

@@ -16,7 +16,7 @@ def _finalize_scores(
     EMIT_HEADS: tl.constexpr, Q_HEADS: tl.constexpr, NUM_ROWS: tl.constexpr,
     WEIGHTS: tl.constexpr, MEAN_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     in_buffer = slot < num_slots
     candidate = slot < tl.load(CandEnd + b)

@@ -32,7 +32,7 @@ def _select_topk(
 ):
     program = tl.program_id(0)
     layer = tl.load(Layers + program // batch)
-    b = program % batch
+    b = (program % batch).to(tl.int64)
     scores = Scores + layer * stride_sl + b * stride_sb
     k = tl.load(Count + b).to(tl.int32)
     n = tl.load(CandEnd + b)
