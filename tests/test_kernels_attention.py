@@ -135,17 +135,28 @@ def test_kernels_at_real_sizes_on_gpu(head_dim, q_heads, kv_heads, dtype):
     torch.testing.assert_close(got[finite], want[finite], atol=1e-4, rtol=5e-2)
 
 
+def _attend_compact(case, b, slots):
+    """Reference attention of row `b`'s query over exactly `slots`, from a small copy of just those slots."""
+    index = torch.as_tensor(sorted(slots), device=case.k.device)
+    k, v = case.k[b : b + 1, index].float(), case.v[b : b + 1, index].float()
+    n = torch.tensor([index.numel()], device=index.device)
+    return reference.dense_attention(case.q[b : b + 1].float(), k, v, n[:, None] - 1, n, case.scaling)
+
+
 @gpu
 @pytest.mark.gpu
 def test_offsets_past_int32_on_gpu():
     """Row 1 of a 4.5 GB key buffer starts past 2**31 elements: offsets must be computed in 64 bits."""
-    slots, kv_heads, head_dim = (1 << 31) // (8 * 128) + 4096, 8, 128
+    slots, kv_heads, head_dim, window = (1 << 31) // (8 * 128) + 4096, 8, 128, 256
     case = make_case([slots - 9, slots - 100], [3, 3], 1, head_dim, 32, kv_heads, slots=slots, dtype=torch.bfloat16,
                      device="cuda", sparsity=0.001)
-    assert case.k.stride(0) * 1 >= 2**31
+    assert case.k.stride(0) >= 2**31
     draft_args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
-    got = kernels.sparse_draft_attention(case.q, case.k, case.v, *draft_args)
-    _assert_close(got, reference.sparse_draft_attention(case.q.float(), case.k, case.v, *draft_args), torch.bfloat16)
-    got = kernels.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling)
-    expected = reference.dense_attention(case.q.float(), case.k, case.v, case.q_slot, case.kv_len, case.scaling)
-    _assert_close(got, expected, torch.bfloat16)
+    draft = kernels.sparse_draft_attention(case.q, case.k, case.v, *draft_args)
+    windowed = kernels.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling, window)
+    for b in range(2):
+        length, end = int(case.kv_len[b]), int(case.sel_end[b])
+        chosen = set(case.sel_idx[b, : case.sel_count[b]].tolist()) | set(range(end, length))
+        _assert_close(draft[b : b + 1], _attend_compact(case, b, chosen), torch.bfloat16)
+        recent = range(length - window, length)
+        _assert_close(windowed[b : b + 1], _attend_compact(case, b, recent), torch.bfloat16)
