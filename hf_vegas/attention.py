@@ -16,7 +16,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .cache import VegasCache
 from .config import STREAMING_SINK_TOKENS
-from .ops import backend, reference
+from .ops import backend, prefill, reference
 
 ATTN_NAME = "vegas"
 
@@ -73,15 +73,19 @@ def vegas_attention_forward(
         )
         _select_from_emitted(cache, kernels, module.layer_idx, emitted, lse, query.shape[1])
     else:
-        dense = kernels.dense_attention if kernels else reference.dense_attention
-        out = dense(query, key, value, cache.query_slots, cache.lengths, scaling, sliding_window, softcap)
+        if cache.prefill_left_pad is not None and softcap is None and sliding_window is None:
+            out = prefill.causal_per_row(query, key, value, cache.prefill_left_pad, scaling)
+        else:
+            dense = kernels.dense_attention if kernels else reference.dense_attention
+            out = dense(query, key, value, cache.query_slots, cache.lengths, scaling, sliding_window, softcap)
         if cache.mode != "draft" and full_layer:
             _select(cache, module.layer_idx, query, key, scaling, softcap)
     return out, None
 
 
-# The kernels keep all `groups * tokens` query rows of a KV head in one tile; longer forwards (prefill) run the
-# reference ops, which are compute-bound there anyway.
+# The kernels keep all `groups * tokens` query rows of a KV head in one tile. Longer forwards (prefills) run one
+# causal SDPA call per row (`ops/prefill.py`), or the reference ops when a prefill does not start from an empty cache
+# or the layer has a sliding window or a soft cap.
 MAX_KERNEL_QUERY_ROWS = 64
 
 

@@ -112,6 +112,7 @@ class VegasCache(Cache):
         self.write_slots = torch.zeros(batch_size, 1, **long)
         self.query_slots = torch.zeros(batch_size, 1, **long)
         self.score_rows: torch.Tensor | None = None
+        self.prefill_left_pad: list[int] | None = None
         self.mode = "verify"
         self.verify_end: torch.Tensor | None = None
         # Largest budget any row can need: the selection buffers are sized once, so no step reallocates.
@@ -159,6 +160,11 @@ class VegasCache(Cache):
         self.query_slots = slots.clamp_min(0)  # pad queries look at slot 0 only so their softmax stays finite
         self.lengths = self.write_start + (num_tokens - self.left_pad)
         self.score_rows = None
+        # A prefill into an empty cache lets attention run one causal call per row; the host needs the pads for it
+        # (one synchronisation per prefill, never in the draft/verify steps).
+        self.prefill_left_pad = None
+        if self.mode == "prefill" and not bool(self.write_start.any()):
+            self.prefill_left_pad = self.left_pad.tolist()
         if self.mode == "draft":
             return
         # Verification rates the prefix plus the pending token's slot (the slots every verify row sees); prefill
