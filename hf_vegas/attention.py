@@ -57,7 +57,12 @@ def vegas_attention_forward(
         raise NotImplementedError("Attention sinks (`s_aux`, gpt-oss) are not supported by hf_vegas yet.")
     if scaling is None:
         scaling = module.head_dim**-0.5
-    full_layer = sliding_window is None
+    full_layer = not cache.layers[module.layer_idx].is_sliding
+    if full_layer != (sliding_window is None):
+        raise RuntimeError(
+            f"Layer {module.layer_idx} attends with sliding_window={sliding_window}, but its config says "
+            f"{'full' if full_layer else 'sliding'} attention: hf_vegas cannot tell which layers to sparsify."
+        )
     kernels = _kernels_for(cache, query, key)
     if cache.mode == "draft" and full_layer:
         draft_attention = kernels.sparse_draft_attention if kernels else reference.sparse_draft_attention
@@ -100,7 +105,7 @@ def _kernels_for(cache: VegasCache, query: torch.Tensor, key: torch.Tensor):
 def _select_from_emitted(cache: VegasCache, kernels, layer_idx: int, emitted, lse, q_heads: int) -> None:
     """Kernel path of `_select`: turn the verification's emitted logits into the next selection.
 
-    Scores of every full-attention layer are kept until the last one, then all layers select in one launch.
+    Each layer's scores wait in an `(L, B, S)` scratch; at the last full layer all of them select in one launch.
     """
     config = cache.vegas_config
     if config.policy == "last_token" and cache.mode == "verify":  # every row's scores, until acceptance
@@ -111,9 +116,21 @@ def _select_from_emitted(cache: VegasCache, kernels, layer_idx: int, emitted, ls
     layer_scores = cache.layer_scores(emitted.shape[-1])
     kernels.finalize_scores(emitted, lse, cache.score_rows, cache.sel_end, q_heads, config.score == "weights",
                             mean_rows=True, out=layer_scores[layer_idx][:, None])
-    if layer_idx == cache.full_layers[-1]:
-        kernels.select_topk(layer_scores, cache.sel_count, cache.sel_end, cache.selection_buffer(),
-                            layers=cache.full_layer_index)
+    cache.emitted_layers.append(layer_idx)
+    _flush_emitted(cache, layer_idx)
+
+
+def _flush_emitted(cache: VegasCache, layer_idx: int) -> None:
+    """At the forward's last full layer, select for every layer whose scores the kernels emitted."""
+    if layer_idx != cache.full_layers[-1] or not cache.emitted_layers:
+        return
+    if cache.emitted_layers == cache.full_layers:  # the usual case, with a prebuilt index (no copy, graph-safe)
+        layers = cache.full_layer_index
+    else:
+        layers = torch.tensor(cache.emitted_layers, device=cache.full_layer_index.device)
+    backend.kernels().select_topk(cache.layer_scores(0), cache.sel_count, cache.sel_end, cache.selection_buffer(),
+                                  layers=layers)
+    cache.emitted_layers = []
 
 
 def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap) -> None:
@@ -131,6 +148,7 @@ def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap) -> 
         cache.row_scores[layer_idx] = scores
         return
     cache.store_selection(layer_idx, reference.select_topk(scores.mean(dim=1), cache.max_selected))
+    _flush_emitted(cache, layer_idx)  # earlier layers of this forward may have taken the kernel path
 
 
 def select_from_rows(cache: VegasCache, rows: torch.Tensor) -> None:

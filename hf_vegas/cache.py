@@ -97,8 +97,7 @@ class VegasCache(Cache):
             raise ValueError(f"VegasCache backend must be 'torch' or 'triton' (resolve 'auto' first), got {backend!r}.")
         text_config = config.get_text_config(decoder=True)
         num_layers = text_config.num_hidden_layers
-        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
-        super().__init__(layers=[VegasLayer(self, t == "sliding_attention") for t in layer_types[:num_layers]])
+        super().__init__(layers=[VegasLayer(self, t == "sliding_attention") for t in layer_types(text_config)])
         self.batch_size_ = batch_size
         self.capacity = capacity
         self.vegas_config = vegas_config
@@ -130,6 +129,8 @@ class VegasCache(Cache):
         # Full-attention layers: the ones that draft sparsely and select (sliding-window layers keep their window).
         self.full_layers = [i for i, layer in enumerate(self.layers) if not layer.is_sliding]
         self.full_layer_index = torch.tensor(self.full_layers, dtype=torch.long, device=self.device)
+        # Kernel path: full layers whose scores this forward emitted, selected together at the last full layer.
+        self.emitted_layers: list[int] = []
 
     # -- step protocol -------------------------------------------------------------------------------------------
     def begin(self, mode: str, left_pad: torch.Tensor | None = None, verify_end: torch.Tensor | None = None) -> None:
@@ -163,6 +164,7 @@ class VegasCache(Cache):
         # A prefill into an empty cache lets attention run one causal call per row; the host needs the pads for it
         # (one synchronisation per prefill, never in the draft/verify steps).
         self.prefill_left_pad = None
+        self.emitted_layers = []
         if self.mode == "prefill" and not bool(self.write_start.any()):
             self.prefill_left_pad = self.left_pad.tolist()
         if self.mode == "draft":
@@ -240,6 +242,17 @@ class VegasCache(Cache):
     @property
     def batch_size(self) -> int:
         return self.batch_size_
+
+
+def layer_types(text_config) -> list[str]:
+    """Each layer's attention type. Without `layer_types`, a config with `sliding_window` set (Mistral, Phi-3) gives
+    every layer that window, as those models pass it to every attention call."""
+    num_layers = text_config.num_hidden_layers
+    types = getattr(text_config, "layer_types", None)
+    if types:
+        return list(types[:num_layers])
+    windowed = getattr(text_config, "sliding_window", None) is not None
+    return ["sliding_attention" if windowed else "full_attention"] * num_layers
 
 
 def budget_tensor(candidates: torch.Tensor, config: VegasConfig) -> torch.Tensor:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .cache import layer_types
+
 # What transformers' own preparation leaves in `model_kwargs` for a decoder-only model; anything else came from the
 # user and would be silently dropped, so it is refused.
 PREPARED_MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache"}
@@ -21,12 +23,18 @@ def check_model(model) -> None:
             "hf_vegas cannot switch it to sparse drafting (unsupported attention type)."
         )
     text_config = config.get_text_config(decoder=True)
-    layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
-    unsupported = layer_types - SUPPORTED_LAYER_TYPES
+    types = layer_types(text_config)
+    unsupported = set(types) - SUPPORTED_LAYER_TYPES
     if unsupported:
         raise ValueError(
             f"Unsupported attention layer type(s) {sorted(unsupported)}; hf_vegas supports "
             f"{sorted(SUPPORTED_LAYER_TYPES)}."
+        )
+    if "full_attention" not in types:
+        raise ValueError(
+            f"hf_vegas drafts sparsely in full-attention layers only, and every layer of this model attends through a "
+            f"sliding window (config.sliding_window={getattr(text_config, 'sliding_window', None)}): drafts would be "
+            "the model itself. Models with sliding_window=None (e.g. Mistral v0.2+) are supported."
         )
     if getattr(text_config, "use_bidirectional_attention", False):
         raise ValueError("hf_vegas needs causal attention; this config sets use_bidirectional_attention=True.")

@@ -156,3 +156,17 @@ def test_config_repr_and_dict():
     config = VegasConfig(gamma=3, policy="streaming")
     assert repr(config) == "VegasConfig(gamma=3, policy='streaming')"
     assert VegasConfig(**config.to_dict()) == config
+
+
+def test_model_with_a_window_on_every_layer_is_refused():
+    """Mistral/Phi-3 configs with `sliding_window` set window every layer: nothing full to draft sparsely."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    model = MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             sliding_window=4096)).eval()
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    with pytest.raises(ValueError, match="sliding_window=4096"):
+        model.generate(IDS[:1], max_new_tokens=4, custom_generate="vegas")
+    assert forwards == []

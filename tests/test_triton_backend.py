@@ -17,13 +17,30 @@ SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=8)
 SHAPES = {"batch1": [80], "ragged3": [80, 61, 37]}
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the kernel ops the attention dispatch calls, so a silent fall-back to the reference fails the test."""
+    import hf_vegas_kernels
+
+    calls = {"sparse_draft_attention": 0, "verify_attention": 0}
+    for name in calls:
+        original = getattr(hf_vegas_kernels, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(hf_vegas_kernels, name, counted)
+    return calls
+
+
 def _on_device(model, *tensors):
     """The kernels run on the GPU when there is one (else in Triton's CPU interpreter)."""
     return (model.to(DEVICE), *(t.to(DEVICE) for t in tensors))
 
 
 @pytest.mark.parametrize("arch,shape", [(arch, "ragged3") for arch in BUILDERS] + [("qwen3", "batch1")])
-def test_triton_greedy_matches_vanilla(arch, shape):
+def test_triton_greedy_matches_vanilla(arch, shape, kernel_calls):
     model, ids, mask = _on_device(tiny_model(arch), *ragged_batch(SHAPES[shape]))
     common = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     expected = model.generate(ids, **common)
@@ -32,6 +49,18 @@ def test_triton_greedy_matches_vanilla(arch, shape):
     assert out.past_key_values.backend == "triton"
     torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
     assert bool((out.past_key_values.sel_count < out.past_key_values.sel_end).all()), "the selection must drop tokens"
+    assert kernel_calls["sparse_draft_attention"] > 0 and kernel_calls["verify_attention"] > 0
+
+
+def test_triton_short_prompts_prefill_through_the_kernels(kernel_calls):
+    """Prompts short enough that the prefill itself runs the verification kernel, left pads included."""
+    model, ids, mask = _on_device(tiny_model("llama", seed=4), *ragged_batch([14, 9, 5], seed=4))
+    common = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **common)
+    out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=3, vegas_backend="triton",
+                         vegas_sparsity=0.3, vegas_min_tokens=2)
+    assert torch.equal(out, expected)
+    assert kernel_calls["verify_attention"] > 0
 
 
 @pytest.mark.parametrize("policy,score", [("vegas", "logits"), ("vegas", "weights"), ("last_token", "weights"),

@@ -16,7 +16,7 @@ def _kernels_or_reason():
     """`(module, None)` when the Triton kernels import, else `(None, why)`."""
     try:
         return importlib.import_module("hf_vegas_kernels"), None
-    except ImportError as error:  # no Triton wheel on this platform, or a broken install
+    except Exception as error:  # noqa: BLE001  (no Triton on this platform, or an install that fails to import)
         return None, f"{type(error).__name__}: {error}"
 
 
@@ -28,7 +28,8 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     """`"torch"` or `"triton"` for a model on `device`; raises before any forward if `"triton"` cannot run there.
 
     `"auto"` picks the kernels on CUDA when Triton imports, the reference everywhere else. On the CPU the kernels
-    run only in Triton's interpreter (`TRITON_INTERPRET=1`, set before the first import), which is for tests.
+    run only in Triton's interpreter (`TRITON_INTERPRET=1`, set before the first import), which is for tests, in fp32
+    or fp16 (its bf16 products are wrong in Triton 3.9).
     """
     if requested not in BACKENDS:
         raise ValueError(f"`vegas_backend` must be one of {list(BACKENDS)}, got {requested!r}.")

@@ -202,6 +202,8 @@ def attend(
 
     `list_len` is a host-side bound on the list length used to size the splits (a wrong bound is only slower).
     """
+    if emit == EMIT_GROUP_SUM and softcap is not None:
+        raise ValueError("attend: a soft cap is not linear in the query; emit per head (EMIT_PER_HEAD) instead")
     batch, q_heads, num_tokens, head_dim = q.shape
     _, num_slots, kv_heads, _ = k_cache.shape
     v_dim = v_cache.shape[-1]

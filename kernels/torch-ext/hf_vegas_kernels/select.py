@@ -4,8 +4,8 @@ Scores are mapped to int32 keys with the same order as the floats. Each pass cou
 thresholds at once, how many candidates reach them and keeps the highest threshold that still leaves at least `k`;
 8 passes pin the k-th largest key exactly. One pass counts the keys above it, a last one writes those slots, then
 as many ties as still fit, in slot order. The lists are therefore ascending (local gathers for the draft kernel)
-and deterministic. One program per (layer, row): called once per verification for all layers, there are
-`layers * batch` of them.
+and deterministic. One program per (layer, row): after a verification every full-attention layer selects in one
+launch (`layers * batch` programs); the `last_token` policy selects per layer after acceptance.
 """
 
 from __future__ import annotations
