@@ -68,7 +68,7 @@ def generate(
     validation.check_model_kwargs(model_kwargs)
     left_pad = validation.left_padding(input_ids, model_kwargs.get("attention_mask"))
     validation.check_streamer(streamer, input_ids.shape[0])
-    backend_name = backend.resolve_backend(config.backend, input_ids.device)
+    backend_name = backend.resolve_backend(config.backend, input_ids.device, model.dtype)
 
     max_new = generation_config.max_length - input_ids.shape[1]
     if max_new <= 0:

@@ -113,3 +113,14 @@ def test_triton_on_cpu_without_interpreter_is_refused_before_any_forward(monkeyp
     with pytest.raises(ValueError, match="vegas_backend='triton'.*CUDA"):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, custom_generate="vegas", vegas_backend="triton")
     assert forwards == [] and model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's bf16 limit concerns CPU runs only")
+def test_bf16_model_under_the_interpreter_is_refused_before_any_forward():
+    model = tiny_model("llama").to(torch.bfloat16)
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    ids, mask = ragged_batch([20])
+    with pytest.raises(ValueError, match="vegas_backend='triton'.*bfloat16"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, custom_generate="vegas", vegas_backend="triton")
+    assert forwards == []

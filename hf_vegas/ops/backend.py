@@ -24,12 +24,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_backend(requested: str, device: torch.device) -> str:
-    """`"torch"` or `"triton"` for a model on `device`; raises before any forward if `"triton"` cannot run there.
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """`"torch"` or `"triton"` for a model on `device` in `dtype`; raises before any forward if `"triton"` cannot run
+    there.
 
     `"auto"` picks the kernels on CUDA when Triton imports, the reference everywhere else. On the CPU the kernels
     run only in Triton's interpreter (`TRITON_INTERPRET=1`, set before the first import), which is for tests, in fp32
-    or fp16 (its bf16 products are wrong in Triton 3.9).
+    or fp16: its bf16 products are wrong (a 16x16 bf16 `tl.dot` was off by 2e10 under Triton 3.9).
     """
     if requested not in BACKENDS:
         raise ValueError(f"`vegas_backend` must be one of {list(BACKENDS)}, got {requested!r}.")
@@ -45,6 +46,11 @@ def resolve_backend(requested: str, device: torch.device) -> str:
         raise ValueError(
             f"`vegas_backend='triton'` needs the model on a CUDA device, got {device}. On the CPU the kernels run only "
             "in Triton's interpreter (TRITON_INTERPRET=1, for tests); use 'torch' or 'auto'."
+        )
+    if device.type != "cuda" and dtype == torch.bfloat16:
+        raise ValueError(
+            "`vegas_backend='triton'` under TRITON_INTERPRET=1 cannot run a bfloat16 model: Triton's interpreter "
+            "computes bf16 products wrongly. Use float32/float16, or 'torch' or 'auto'."
         )
     return "triton"
 
