@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -22,15 +21,9 @@ from tqdm.auto import tqdm
 
 import hf_vegas
 from hf_vegas.real_models import load_smollm2, long_prompt
+from provenance import commit  # benchmarks/ is the script's directory
 
 VARIANTS = [("vegas", "logits"), ("vegas", "weights"), ("streaming", "logits"), ("last_token", "logits")]
-
-
-def commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 from pathlib import Path
 
 import hf_vegas_kernels as kernels
@@ -29,6 +28,7 @@ import triton
 from tqdm.auto import tqdm
 
 import hf_vegas
+from provenance import commit  # benchmarks/ is the script's directory
 
 # Attention shapes of the two reference models: (query heads, KV heads, head dim, full-attention layers).
 SHAPES = {"smollm2-135m": (9, 3, 64, 30), "qwen3-8b": (32, 8, 128, 36)}
@@ -36,13 +36,6 @@ SHAPES = {"smollm2-135m": (9, 3, 64, 30), "qwen3-8b": (32, 8, 128, 36)}
 WEIGHT_BYTES = {"smollm2-135m": 134.5e6 * 2, "qwen3-8b": 8.19e9 * 2}
 GAMMA, SPARSITY, MIN_TOKENS = 6, 0.07, 256
 L2_FLUSH_BYTES = 256 << 20  # rotate over cache copies until one round moves at least this much
-
-
-def commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def graph_time(fn, calls: int) -> float:

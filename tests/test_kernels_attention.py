@@ -4,6 +4,8 @@ On the CPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTER
 repeat the comparison at real sizes in bf16/fp16.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -117,9 +119,7 @@ def test_kernels_at_real_sizes_on_gpu(head_dim, q_heads, kv_heads, dtype, score,
     lengths, tokens = [8191, 3000, 20_001, 77], 7
     case = make_case(lengths, [tokens - 1] * 4, tokens, head_dim, q_heads, kv_heads, dtype=dtype, device="cuda",
                      sparsity=0.07)
-    # The reference runs in fp32 on the same (rounded) inputs.
-    f32 = make_case(lengths, [tokens - 1] * 4, tokens, head_dim, q_heads, kv_heads, device="cuda", sparsity=0.07)
-    f32.q, f32.k, f32.v = case.q.float(), case.k.float(), case.v.float()
+    f32 = dataclasses.replace(case, q=case.q.float(), k=case.k.float(), v=case.v.float())  # same rounded inputs
     draft_args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
     readable = sparse_readable(case)
     got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable),

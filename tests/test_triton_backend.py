@@ -4,7 +4,6 @@ architecture; the backend choice is validated before any forward."""
 import pytest
 import torch
 
-import hf_vegas
 from hf_vegas.ops.backend import resolve_backend
 from kernel_cases import DEVICE
 from tiny_models import BUILDERS, ragged_batch, tiny_model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import EMIT_GROUP_SUM, EMIT_NONE, EMIT_PER_HEAD, attend
+from .attention import EMIT_GROUP_SUM, EMIT_PER_HEAD, attend
 
 
 def sparse_draft_attention(
@@ -59,4 +59,4 @@ def verify_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, s
     return out, emitted, lse
 
 
-__all__ = ["EMIT_NONE", "dense_attention", "sparse_draft_attention", "verify_attention"]
+__all__ = ["dense_attention", "sparse_draft_attention", "verify_attention"]
