@@ -8,6 +8,7 @@ from .cache import VegasCache
 from .candidate import VegasCandidateGenerator
 from .config import VegasConfig
 from .decoding import generate
+from .graphs import release_graphs
 from .names import enable_short_name, generate_from_name
 from .output import VegasGenerateOutput
 
@@ -25,4 +26,5 @@ __all__ = [
     "generate",
     "generate_from_name",
     "register_attention",
+    "release_graphs",
 ]

@@ -71,7 +71,7 @@ def vegas_attention_forward(
             query, key, value, cache.query_slots, cache.lengths,
             cache.sel_idx[module.layer_idx], cache.sel_count, cache.sel_end, scaling, softcap, **extra,
         )
-    elif kernels is not None and full_layer and cache.mode != "draft" and cache.score_rows is not None:
+    elif kernels is not None and full_layer and cache.selecting and cache.score_rows is not None:
         out, emitted, lse = kernels.verify_attention(
             query, key, value, cache.query_slots, cache.lengths, scaling, cache.score_rows,
             cache.vegas_config.score, softcap,
@@ -83,7 +83,7 @@ def vegas_attention_forward(
         else:
             dense = kernels.dense_attention if kernels else reference.dense_attention
             out = dense(query, key, value, cache.query_slots, cache.lengths, scaling, sliding_window, softcap)
-        if cache.mode != "draft" and full_layer:
+        if cache.selecting and full_layer:
             _select(cache, module.layer_idx, query, key, scaling, softcap)
     return out, None
 

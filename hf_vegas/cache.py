@@ -9,6 +9,10 @@ Step protocol. A forward of `T` tokens writes, at layer 0's `update`, the new pe
 `[write_start, lengths)`; every layer then writes its keys into that span and its attention reads `lengths`.
 After acceptance the generate loop rolls rows back with `rollback(new_lengths)`; HF's assisted loop uses `crop`.
 
+Static state. Every tensor that outlives one forward (`lengths`, `left_pad`, `verify_end`, the selection) is
+allocated once and only ever written in place: a CUDA graph captured over a draft or verify forward reads and
+writes the addresses it saw at capture (`hf_vegas.graphs`), so a reassigned attribute would be invisible to it.
+
 Selection. For full-attention layers, verification leaves `sel_idx[layer, b, :sel_count[b]]` (slots chosen among the
 candidates `[0, sel_end[b])`); a draft attends to those plus every slot in `[sel_end[b], lengths[b])`.
 """
@@ -20,7 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import VegasConfig
 
-MODES = ("prefill", "draft", "verify")
+MODES = ("prefill", "draft", "verify", "decode")  # "decode": one dense step of the gamma = 0 path, no selection
 
 
 class VegasLayer(CacheLayerMixin):
@@ -106,14 +110,17 @@ class VegasCache(Cache):
         long = dict(dtype=torch.long, device=self.device)
         self.row_index = torch.arange(batch_size, **long)
         self.lengths = torch.zeros(batch_size, **long)
-        self.write_start = torch.zeros(batch_size, **long)
         self.left_pad = torch.zeros(batch_size, **long)
+        self.verify_end = torch.zeros(batch_size, **long)
+        self.verify_end_given = False
+        # Per-forward layout, rebuilt at layer 0 of every forward and read by its layers only.
+        self.write_start = torch.zeros(batch_size, **long)
         self.write_slots = torch.zeros(batch_size, 1, **long)
         self.query_slots = torch.zeros(batch_size, 1, **long)
         self.score_rows: torch.Tensor | None = None
+        self._score_rows_by_shape: dict[tuple[str, int], torch.Tensor] = {}  # built once, outside any graph capture
         self.prefill_left_pad: list[int] | None = None
         self.mode = "verify"
-        self.verify_end: torch.Tensor | None = None
         # Largest budget any row can need: the selection buffers are sized once, so no step reallocates.
         self.max_selected = vegas_config.budget(capacity)
         # A draft reads the selection plus the tail since `sel_end`: at most gamma accepted tokens and gamma drafts
@@ -145,21 +152,31 @@ class VegasCache(Cache):
         if mode == "draft" and not self.has_selection:
             raise RuntimeError("A draft forward needs a selection: run a prefill or verify forward first.")
         self.mode = mode
-        self.left_pad = left_pad if left_pad is not None else torch.zeros_like(self.lengths)
-        self.verify_end = verify_end
+        if left_pad is not None:
+            self.left_pad.copy_(left_pad)
+        else:
+            self.left_pad.zero_()
+        self.verify_end_given = verify_end is not None
+        if verify_end is not None:
+            self.verify_end.copy_(verify_end)
+
+    @property
+    def selecting(self) -> bool:
+        """Whether the current forward chooses the next draft's slots (prefill and verify, when drafting at all)."""
+        return self.mode in ("prefill", "verify") and self.vegas_config.gamma > 0
 
     def _start_forward(self, num_tokens: int) -> None:
         """Called at layer 0: lay out this forward's tokens for every row, once for all layers."""
-        if self.mode == "verify" and self.verify_end is not None:
+        if self.mode == "verify" and self.verify_end_given:
             self.write_start = (self.verify_end - num_tokens).clamp_min(0)
         else:
-            self.write_start = self.lengths
+            self.write_start = self.lengths.clone()
         offsets = torch.arange(num_tokens, device=self.device)
         slots = self.write_start[:, None] + offsets[None, :] - self.left_pad[:, None]
         is_pad = offsets[None, :] < self.left_pad[:, None]
         self.write_slots = torch.where(is_pad, self.capacity, slots)  # pads write into the scratch slot
         self.query_slots = slots.clamp_min(0)  # pad queries look at slot 0 only so their softmax stays finite
-        self.lengths = self.write_start + (num_tokens - self.left_pad)
+        self.lengths.copy_(self.write_start + (num_tokens - self.left_pad))
         self.score_rows = None
         # A prefill into an empty cache lets attention run one causal call per row; the host needs the pads for it
         # (one synchronisation per prefill, never in the draft/verify steps).
@@ -167,22 +184,31 @@ class VegasCache(Cache):
         self.emitted_layers = []
         if self.mode == "prefill" and not bool(self.write_start.any()):
             self.prefill_left_pad = self.left_pad.tolist()
-        if self.mode == "draft":
+        if not self.selecting:
             return
         # Verification rates the prefix plus the pending token's slot (the slots every verify row sees); prefill
         # rates the whole prompt, from its last row.
         pending_row = max(num_tokens - self.vegas_config.gamma - 1, 0)
         if self.mode == "prefill":
-            self.sel_end, rows = self.lengths, [num_tokens - 1]
+            self.sel_end.copy_(self.lengths)
         else:
-            self.sel_end = self.write_start + pending_row + 1
-            if self.vegas_config.policy == "last_token":  # every row, until acceptance says which one to use
+            self.sel_end.copy_(self.write_start + pending_row + 1)
+        self.sel_count.copy_(budget_tensor(self.sel_end, self.vegas_config))
+        if self.vegas_config.policy != "streaming":
+            self.score_rows = self._score_rows(num_tokens, pending_row)
+
+    def _score_rows(self, num_tokens: int, pending_row: int) -> torch.Tensor:
+        """The query rows whose scores choose the selection (a host list made a device tensor once per shape)."""
+        key = (self.mode, num_tokens)
+        if key not in self._score_rows_by_shape:
+            if self.mode == "prefill":
+                rows = [num_tokens - 1]
+            elif self.vegas_config.policy == "last_token":  # every row, until acceptance says which one to use
                 rows = list(range(pending_row, num_tokens))
             else:  # Collect-2-Query: the first draft row (the pending token's) and the bonus row
                 rows = sorted({pending_row, num_tokens - 1})
-        self.sel_count = budget_tensor(self.sel_end, self.vegas_config)
-        if self.vegas_config.policy != "streaming":
-            self.score_rows = torch.tensor(rows, device=self.device)
+            self._score_rows_by_shape[key] = torch.tensor(rows, device=self.device)
+        return self._score_rows_by_shape[key]
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == 0:
@@ -191,7 +217,7 @@ class VegasCache(Cache):
 
     def rollback(self, new_lengths: torch.Tensor) -> None:
         """Set each row's committed length (drops rejected draft tokens; their slots are overwritten later)."""
-        self.lengths = new_lengths.to(self.lengths)
+        self.lengths.copy_(new_lengths)
 
     def store_selection(self, layer_idx: int, indices: torch.Tensor) -> None:
         self.sel_idx[layer_idx].copy_(indices)
@@ -227,7 +253,7 @@ class VegasCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("VegasCache.crop takes a negative count (tokens to remove), like DynamicCache.")
-        self.lengths = (self.lengths + tokens_to_remove).clamp_min(0)
+        self.lengths.copy_((self.lengths + tokens_to_remove).clamp_min(0))
 
     def activate_past_recording(self) -> None:
         # Every slot stays in the buffer until overwritten, so rollback never needs a recording.
@@ -236,8 +262,17 @@ class VegasCache(Cache):
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+        self.restart()
+
+    def restart(self) -> None:
+        """Empty every row for a new generation, keeping the buffers (and any graph captured over them).
+
+        Stale keys and values stay in the buffers: no op reads a slot at or beyond its row's length.
+        """
         self.lengths.zero_()
         self.has_selection = False
+        self.row_scores.clear()
+        self.emitted_layers = []
 
     @property
     def batch_size(self) -> int:

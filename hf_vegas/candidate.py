@@ -12,6 +12,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .attention import select_from_rows
 from .cache import VegasCache
+from .graphs import StepGraphs
 from .sampling import LogitsPipeline, choose
 
 
@@ -25,45 +26,56 @@ class VegasCandidateGenerator(CandidateGenerator):
         logits_processor (`LogitsProcessorList`): the same processors the target uses, so draft probabilities are
             the real distribution the drafts are sampled from.
         do_sample (`bool`): sample drafts (speculative sampling) or take the argmax (greedy).
+        graphs (`StepGraphs`, *optional*): captured forwards over `cache` (`hf_vegas.graphs`); None runs eagerly.
     """
 
-    def __init__(self, model, cache: VegasCache, logits_processor, do_sample: bool):
+    def __init__(self, model, cache: VegasCache, logits_processor, do_sample: bool, graphs: StepGraphs | None = None):
         self.model = model
         self.cache = cache
         self.gamma = cache.vegas_config.gamma
         self.pipeline = LogitsPipeline(logits_processor)
         self.do_sample = do_sample
+        self.graphs = graphs
 
     def forward(self, input_ids: torch.Tensor, logits_to_keep: int, mode: str | None = None, left_pad=None):
         """One model forward; positions continue each row's cache. Returns the kept logits.
 
         `mode` declares the forward to the cache; `None` keeps what the cache was told last (after `draft`, the
-        verification of its drafts).
+        verification of its drafts). Draft, verify and decode forwards replay CUDA graphs when `graphs` is set;
+        their logits are then the graph's output buffer, valid until the next forward.
         """
         if mode is not None:
             self.cache.begin(mode, left_pad)
-        offsets = torch.arange(input_ids.shape[1], device=input_ids.device)
-        position_ids = self.cache.lengths[:, None] + offsets[None, :]
-        if left_pad is not None:
-            position_ids = (position_ids - left_pad[:, None]).clamp_min(0)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        )
-        return out.logits
 
-    def draft(self, pending: torch.Tensor, tokens: torch.Tensor, history: list[int]):
+        def run(ids: torch.Tensor) -> torch.Tensor:
+            offsets = torch.arange(ids.shape[1], device=ids.device)
+            position_ids = self.cache.lengths[:, None] + offsets[None, :]  # read on the device: graph-safe
+            if left_pad is not None:
+                position_ids = (position_ids - left_pad[:, None]).clamp_min(0)
+            out = self.model(
+                input_ids=ids,
+                position_ids=position_ids,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
+            return out.logits
+
+        if self.graphs is None or self.cache.mode == "prefill":  # prefills vary in length: always eager
+            return run(input_ids)
+        return self.graphs.run((self.cache.mode, input_ids.shape[1], logits_to_keep), input_ids, run)
+
+    def draft(self, pending: torch.Tensor, tokens: torch.Tensor, history: list[int], start: torch.Tensor | None = None):
         """Draft `gamma` tokens after each row's `pending` token (the last token, not yet in the cache).
 
-        The drafts are written into `tokens` at `history[b] + i`, so each step's processors see the right history.
+        The drafts are written into `tokens` at `history[b] + i` (`start`: `history` on the device, if the caller
+        has it), so each step's processors see the right history.
         Returns `(draft_tokens (B, gamma), draft_scores (B, gamma, V))`; the cache is left as before the draft.
         """
-        committed = self.cache.lengths
+        committed = self.cache.lengths.clone()
         rows = self.cache.row_index
-        start = torch.tensor(history, device=tokens.device)
+        if start is None:
+            start = torch.tensor(history, device=tokens.device)
         ids, drafts, scores = pending[:, None], [], []
         for i in range(self.gamma):
             logits = self.forward(ids, logits_to_keep=1, mode="draft")[:, -1]

@@ -27,7 +27,9 @@ class VegasConfig:
     Args:
         gamma (`int`, *optional*, defaults to 6):
             Number of tokens drafted per iteration. Each iteration verifies `gamma` draft tokens plus the bonus
-            position in one full-attention forward.
+            position in one full-attention forward. `0` turns drafting off: plain one-token-per-step decoding over the
+            same cache, kernels and CUDA graphs (the dense baseline of the benchmarks); the selection fields must
+            then keep their defaults, as nothing reads them.
         sparsity (`float`, *optional*, defaults to 0.07):
             Fraction of the prefix that draft attention reads, in `(0, 1]`, per (sequence, full-attention layer).
         min_tokens (`int`, *optional*, defaults to 256):
@@ -43,6 +45,11 @@ class VegasConfig:
         backend (`str`, *optional*, defaults to `"auto"`):
             `"torch"` runs the plain-PyTorch reference ops, `"triton"` the Triton kernels, `"auto"` picks Triton on
             CUDA when it is available and the reference otherwise.
+        cuda_graphs (`bool`, *optional*, defaults to `True`):
+            Capture the draft and verify forwards as CUDA graphs and replay them (see `hf_vegas.graphs`). Only on
+            CUDA; elsewhere, with the `"last_token"` policy, or when a capture fails, the steps run eagerly and the
+            reason is logged once. The cache and graphs are kept for the next `generate` call of the same shape
+            bucket; `hf_vegas.release_graphs()` frees them.
     """
 
     gamma: int = 6
@@ -51,10 +58,13 @@ class VegasConfig:
     score: str = "weights"
     policy: str = "vegas"
     backend: str = "auto"
+    cuda_graphs: bool = True
 
     def __post_init__(self):
-        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
-            raise ValueError(f"`vegas_gamma` must be an integer >= 1, got {self.gamma!r}.")
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 0:
+            raise ValueError(f"`vegas_gamma` must be an integer >= 0 (0: no drafting), got {self.gamma!r}.")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"`vegas_cuda_graphs` must be True or False, got {self.cuda_graphs!r}.")
         if isinstance(self.sparsity, bool) or not isinstance(self.sparsity, (int, float)):
             raise ValueError(f"`vegas_sparsity` must be a float in (0, 1], got {self.sparsity!r}.")
         if not (0.0 < float(self.sparsity) <= 1.0) or math.isnan(self.sparsity):
@@ -65,6 +75,12 @@ class VegasConfig:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"`vegas_{name}` must be one of {list(allowed)}, got {value!r}.")
+        if self.gamma == 0:
+            unused = [f"vegas_{name}" for name in SELECTION_FIELDS if getattr(self, name) != _DEFAULTS[name]]
+            if unused:
+                raise ValueError(
+                    f"`vegas_gamma=0` decodes without drafts, so {unused} would have no effect; leave them unset."
+                )
 
     def budget(self, length: int) -> int:
         """Number of prefix tokens a draft reads out of `length` candidates."""
@@ -83,6 +99,8 @@ class VegasConfig:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(VegasConfig))
+SELECTION_FIELDS = ("sparsity", "min_tokens", "score", "policy")  # read only when drafting
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(VegasConfig)}
 FLAT_KEYS = tuple(f"vegas_{name}" for name in FIELDS)
 
 

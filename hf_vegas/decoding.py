@@ -5,16 +5,20 @@
             -> accept per row (greedy match / speculative sampling) -> stop inside the chunk -> roll back the cache
 
 Rows advance independently: each keeps its own history length, cache length and pending token (the last token,
-whose KV is not cached yet). One host synchronisation per iteration reads the acceptance.
+whose KV is not cached yet). The row state lives on the device, with a host copy refreshed by the one host
+synchronisation of each iteration (it reads how many tokens each row kept): everything else is queued without
+waiting, so the GPU runs the draft and verify graphs (`hf_vegas.graphs`) back to back.
+
+With `gamma = 0` the same loop decodes one token per step with dense attention and no selection: vanilla decoding
+over the Vegas cache, kernels and graphs (the dense baseline the benchmarks compare against).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _compat, validation
+from . import _compat, graphs, validation
 from .attention import active_cache, select_from_rows, vegas_attention
-from .cache import VegasCache
 from .candidate import VegasCandidateGenerator
 from .config import VegasConfig, resolve_config
 from .ops import backend
@@ -77,10 +81,9 @@ def generate(
     # A row ends at most at prompt + max_new + gamma committed slots (it can stop inside its last chunk) and rows
     # that ended keep being drafted and verified, gamma + 1 slots further, until the whole batch ends.
     capacity = int(real_len.max()) + max_new + 2 * config.gamma + 1
-    cache = VegasCache(model.config, input_ids.shape[0], capacity, config, device=input_ids.device,
-                       backend=backend_name)
+    cache, step_graphs = graphs.cache_for(model, input_ids.shape[0], capacity, config, input_ids.device, backend_name)
     with vegas_attention(model), active_cache(cache):
-        loop = _Loop(model, cache, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
+        loop = _Loop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
                      generation_config, streamer)
         sequences, accepted = loop.run()
     return _finish(sequences, VegasGenerateOutput(sequences=sequences, past_key_values=cache, accepted=accepted),
@@ -100,19 +103,25 @@ def _finish(sequences, output, generation_config, streamer):
 class _Loop:
     """Per-row state of one Vegas generation and the steps that advance it."""
 
-    def __init__(self, model, cache, input_ids, left_pad, max_new, processors, stopping_criteria, gen_config, streamer):
+    def __init__(self, model, cache, step_graphs, input_ids, left_pad, max_new, processors, stopping_criteria,
+                 gen_config, streamer):
         self.cache, self.streamer = cache, streamer
+        self.gamma = cache.vegas_config.gamma
         self.do_sample = bool(gen_config.do_sample)
-        self.drafter = VegasCandidateGenerator(model, cache, processors, self.do_sample)
+        self.drafter = VegasCandidateGenerator(model, cache, processors, self.do_sample, graphs=step_graphs)
         self.stopper = ChunkStopper(stopping_criteria, gen_config._eos_token_tensor)
         self.pad_id = gen_config._pad_token_tensor
         self.input_ids, self.left_pad, self.max_new = input_ids, left_pad, max_new
         batch, width = input_ids.shape
-        gamma = cache.vegas_config.gamma
+        device = input_ids.device
         # Every row's history in vanilla's layout (left pads, prompt, generated) plus room for one chunk.
-        self.tokens = torch.zeros(batch, width + max_new + gamma + 1, dtype=input_ids.dtype, device=input_ids.device)
+        self.tokens = torch.zeros(batch, width + max_new + self.gamma + 1, dtype=input_ids.dtype, device=device)
         self.tokens[:, :width] = input_ids
-        # Row bookkeeping on the host, refreshed by the one synchronisation of each iteration (in `_commit`).
+        # Row state on the device (what the steps read) and its host copy (what the loop's decisions read), both
+        # advanced by the same `keep` counts in `_commit`.
+        self.history_t = torch.full((batch,), width, dtype=torch.long, device=device)
+        self.generated_t = torch.zeros(batch, dtype=torch.long, device=device)
+        self.finished_t = torch.zeros(batch, dtype=torch.bool, device=device)
         self.history = [width] * batch
         self.generated = [0] * batch
         self.finished = [False] * batch
@@ -125,52 +134,73 @@ class _Loop:
         everyone = torch.ones(first.shape[0], dtype=torch.bool, device=first.device)
         self._commit(first[:, None], torch.ones_like(first), everyone)
         accepted = []
-        while any(active_host := self._active()):
-            active = torch.tensor(active_host, device=first.device)
+        while any(self._active()):
+            active = self._active_on_device()
             accepted.append(torch.where(active, self._iterate(active), -1))
         stats = torch.stack(accepted, dim=1) if accepted else first.new_zeros(first.shape[0], 0)
         return self._sequences(self.input_ids.shape[1]), stats
 
+    def _limit(self) -> int:
+        """Tokens a row generates before it stops decoding (without EOS, finished rows go on to the longest row)."""
+        if self.target_len is None and not self.stopper.has_eos and all(self.finished):
+            self.target_len = max(self.generated)
+        return self.max_new if self.target_len is None else self.target_len
+
     def _active(self) -> list[bool]:
         """Rows that still decode. Rows finished while others run on either pad (EOS set) or keep decoding."""
+        limit = self._limit()
         if self.stopper.has_eos:
-            return [not f and g < self.max_new for f, g in zip(self.finished, self.generated)]
-        if self.target_len is None and all(self.finished):
-            self.target_len = max(self.generated)
-        limit = self.max_new if self.target_len is None else self.target_len
+            return [not f and g < limit for f, g in zip(self.finished, self.generated)]
         return [g < limit for g in self.generated]
 
+    def _active_on_device(self) -> torch.Tensor:
+        """`_active` computed from the device copy of the row state (no host-to-device copy, so no wait)."""
+        running = self.generated_t < self._limit()
+        return running & ~self.finished_t if self.stopper.has_eos else running
+
     def _iterate(self, active: torch.Tensor) -> torch.Tensor:
-        cache, gamma = self.cache, self.cache.vegas_config.gamma
-        committed = cache.lengths
-        drafts, draft_scores = self.drafter.draft(self.pending, self.tokens, self.history)
-        verify_ids = torch.cat([self.pending[:, None], drafts], dim=1)
-        logits = self.drafter.forward(verify_ids, logits_to_keep=gamma + 1)  # `draft` prepared the verification
-        target_scores = self.drafter.pipeline.positions(self.tokens, self.history, logits)
-        if self.do_sample:
-            n, nxt = accept_sampling(drafts, draft_scores, target_scores)
+        cache, gamma = self.cache, self.gamma
+        committed = cache.lengths.clone()
+        if gamma == 0:  # dense decoding: one token, picked exactly as vanilla picks it
+            logits = self.drafter.forward(self.pending[:, None], logits_to_keep=1, mode="decode")
+            nxt = choose(self.drafter.pipeline(self.tokens, self.history, logits[:, -1]), self.do_sample)
+            n, chunk = torch.zeros_like(nxt), nxt[:, None]
         else:
-            n, nxt = accept_greedy(drafts, target_scores)
-        if cache.row_scores:  # `last_token` policy selects from the row that produced the kept token
-            select_from_rows(cache, n)
-        chunk = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
-        chunk.scatter_(1, n[:, None], nxt[:, None])
+            n, nxt, chunk = self._speculate()
         # Accepted drafts and the pending token now have exact KV; the next pending token is `nxt`.
         cache.rollback(torch.where(active, committed + n + 1, committed))
         self.pending = torch.where(active, nxt, self.pending)
         self._commit(chunk, n + 1, active)
         return n
 
+    def _speculate(self):
+        """Draft gamma tokens, verify them, accept. Returns `(n accepted, next token, chunk (B, gamma + 1))`."""
+        drafts, draft_scores = self.drafter.draft(self.pending, self.tokens, self.history, start=self.history_t)
+        verify_ids = torch.cat([self.pending[:, None], drafts], dim=1)
+        logits = self.drafter.forward(verify_ids, logits_to_keep=self.gamma + 1)  # `draft` prepared the verification
+        target_scores = self.drafter.pipeline.positions(self.tokens, self.history, logits)
+        if self.do_sample:
+            n, nxt = accept_sampling(drafts, draft_scores, target_scores)
+        else:
+            n, nxt = accept_greedy(drafts, target_scores)
+        if self.cache.row_scores:  # `last_token` policy selects from the row that produced the kept token
+            select_from_rows(self.cache, n)
+        chunk = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
+        chunk.scatter_(1, n[:, None], nxt[:, None])
+        return n, nxt, chunk
+
     def _commit(self, chunk: torch.Tensor, chunk_len: torch.Tensor, active: torch.Tensor) -> None:
         """Append each active row's chunk, cut where vanilla generate would have stopped."""
-        start = torch.tensor(self.history, device=chunk.device)
-        cols = start[:, None] + torch.arange(chunk.shape[1], device=chunk.device)[None, :]
-        rows = torch.arange(chunk.shape[0], device=chunk.device)[:, None]
+        cols = self.history_t[:, None] + torch.arange(chunk.shape[1], device=chunk.device)[None, :]
+        rows = self.cache.row_index[:, None]
         old = self.tokens[rows, cols]
         self.tokens[rows, cols] = torch.where(active[:, None], chunk, old)
-        budget = torch.tensor([self.max_new - g for g in self.generated], device=chunk.device)
+        budget = self.max_new - self.generated_t
         keep, stopped = self.stopper(self.tokens, self.history, chunk, chunk_len, budget)
         keep, stopped = torch.where(active, keep, 0), stopped & active
+        self.history_t += keep
+        self.generated_t += keep
+        self.finished_t |= stopped
         keep_host, stopped_host = torch.stack([keep, stopped.long()]).tolist()  # the iteration's one sync
         if self.streamer is not None and keep_host[0]:
             self.streamer.put(chunk[0, : keep_host[0]].cpu())
@@ -182,7 +212,7 @@ class _Loop:
         length = self.target_len if self.target_len is not None else max(self.generated)
         out = self.tokens[:, : width + length].clone()
         if self.pad_id is not None:
-            ends = torch.tensor(self.history, device=out.device)
+            ends = self.history_t
             beyond = torch.arange(out.shape[1], device=out.device)[None, :] >= ends[:, None]
             out = torch.where(beyond, self.pad_id.to(out), out)
         return out

@@ -21,7 +21,10 @@ def model_and_counter():
 IDS, MASK = ragged_batch([20, 12])
 
 BAD = [
-    (dict(vegas_gamma=0), "vegas_gamma"),
+    (dict(vegas_gamma=-1), "vegas_gamma"),
+    (dict(vegas_gamma=0, vegas_sparsity=0.2), "vegas_sparsity"),
+    (dict(vegas_gamma=0, vegas_policy="streaming"), "vegas_policy"),
+    (dict(vegas_cuda_graphs="yes"), "vegas_cuda_graphs"),
     (dict(vegas_gamma=2.5), "vegas_gamma"),
     (dict(vegas_sparsity=0.0), "vegas_sparsity"),
     (dict(vegas_sparsity=1.5), "vegas_sparsity"),

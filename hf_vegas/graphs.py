@@ -1,0 +1,163 @@
+"""CUDA graphs for the draft, verify and dense-decode forwards, and the pool that keeps them between `generate` calls.
+
+A Vegas iteration is gamma one-token forwards and one (gamma + 1)-token forward. Run eagerly, each costs the
+Python and launch time of a whole HF forward (hundreds of kernel launches), which for long batches is several times
+the time its memory traffic needs. Captured once and replayed, a forward costs one launch.
+
+What makes capture possible: every forward reads its per-row state from `VegasCache` tensors that are only ever
+written in place, takes its positions from `cache.lengths` on the device, and never synchronises with the host (the
+kernels get host-side sizes from the cache's capacity, never from the data). Each step kind, keyed by
+`(cache mode, tokens, logits kept)`, goes through three stages:
+
+    1st call   eager: its real result, and the warm-up (Triton compiles, lazily built buffers get allocated)
+    2nd call   capture (records the forward, executes nothing), then replay
+    later      copy the input ids into the graph's static buffer, replay
+
+Graphs capture the addresses of the cache buffers and the model's weights, so the cache they were captured over is
+kept, per model, for the next `generate` call of the same bucket (batch, capacity rounded up, config, weights);
+`release_graphs()` frees it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import weakref
+
+import torch
+
+from .cache import VegasCache
+from .config import VegasConfig
+
+logger = logging.getLogger(__name__)
+
+# Capacities are rounded up to this many slots, so prompts of similar lengths share a cache and its graphs.
+CAPACITY_BUCKET = 1024
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.log(level, message)
+
+
+@dataclasses.dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor  # static input, copied into before each replay
+    logits: torch.Tensor  # static output, overwritten by each replay
+
+
+_WARM = object()  # marks a step kind that ran eagerly once and is captured at its next call
+
+
+class StepGraphs:
+    """The captured forwards of one `VegasCache`. Graphs share one memory pool: their steps never overlap."""
+
+    def __init__(self):
+        self.pool = None  # made at the first capture
+        self._steps: dict[tuple, object] = {}
+        self.disabled_reason: str | None = None
+        self.captures = 0
+        self.replays = 0
+
+    def run(self, key: tuple, ids: torch.Tensor, forward) -> torch.Tensor:
+        """`forward(ids)` (eager, returns logits) through the step kind `key`'s graph.
+
+        A replay returns the graph's static logits: read them before the next `run`.
+        """
+        if self.disabled_reason is not None:
+            return forward(ids)
+        step = self._steps.get(key)
+        if step is None:
+            self._steps[key] = _WARM
+            return forward(ids)
+        if step is _WARM:
+            step = self._capture(key, ids, forward)
+            if step is None:
+                return forward(ids)
+        step.ids.copy_(ids)
+        step.graph.replay()
+        self.replays += 1
+        return step.logits
+
+    def _capture(self, key: tuple, ids: torch.Tensor, forward) -> _Captured | None:
+        static_ids = ids.clone()
+        try:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = forward(static_ids)
+        except Exception as error:  # noqa: BLE001  (any op of any model may refuse capture; eager always works)
+            self.disabled_reason = f"capturing the {key[0]} forward failed ({type(error).__name__}: {error})"
+            _log_once(logging.WARNING, f"hf_vegas runs its steps eagerly: {self.disabled_reason}")
+            return None
+        captured = _Captured(graph, static_ids, logits)
+        self._steps[key] = captured
+        self.captures += 1
+        return captured
+
+
+@dataclasses.dataclass
+class _PoolEntry:
+    key: tuple
+    cache: VegasCache
+    graphs: StepGraphs
+
+
+_POOL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def no_graph_reason(config: VegasConfig, device: torch.device) -> str | None:
+    """Why this generation's steps cannot be captured, or None when they can."""
+    if not config.cuda_graphs:
+        return "vegas_cuda_graphs=False"
+    if torch.device(device).type != "cuda":
+        return f"CUDA graphs need a CUDA device, the model is on {torch.device(device).type}"
+    if config.policy == "last_token":
+        return "policy 'last_token' selects after acceptance, outside the captured verify forward"
+    return None
+
+
+def cache_for(model, batch: int, capacity: int, config: VegasConfig, device, backend: str):
+    """`(cache, graphs)` for one generation: the pooled pair of this bucket, or a new one; `graphs` is None (eager)
+    when the steps cannot be captured (the reason is logged once)."""
+    reason = no_graph_reason(config, device)
+    if reason is not None:
+        if config.cuda_graphs:
+            _log_once(logging.INFO, f"hf_vegas runs its steps eagerly: {reason}.")
+        return VegasCache(model.config, batch, capacity, config, device=device, backend=backend), None
+    capacity = math.ceil(capacity / CAPACITY_BUCKET) * CAPACITY_BUCKET
+    key = (batch, capacity, config, backend, str(torch.device(device)), model.dtype, _weights_fingerprint(model))
+    entry = _POOL.get(model)
+    if entry is not None and entry.key == key:
+        entry.cache.restart()
+        return entry.cache, entry.graphs
+    release_graphs(model)  # free the previous bucket before allocating this one
+    cache = VegasCache(model.config, batch, capacity, config, device=device, backend=backend)
+    _POOL[model] = _PoolEntry(key, cache, StepGraphs())
+    return cache, _POOL[model].graphs
+
+
+def _weights_fingerprint(model) -> tuple[int, ...]:
+    """Addresses of every parameter and buffer: graphs read them, so moved weights (`.to`, reloading) need new ones."""
+    return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+
+
+def release_graphs(model=None) -> None:
+    r"""
+    Free the cache and CUDA graphs kept for `model`'s next `generate` call (for every model when `model` is None).
+
+    Vegas keeps them so that the next call of the same shape bucket replays without capturing again; the cache of a
+    batch-64 long-context generation can be many gigabytes.
+    """
+    if model is None:
+        _POOL.clear()
+    else:
+        _POOL.pop(model, None)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,174 @@
+"""CUDA-graph steps (`hf_vegas.graphs`): same tokens as the eager steps, captured once per bucket and reused across
+`generate` calls, eager fallback with its reason logged once. The GPU tests skip on the CPU; the CPU tests drive the
+same pool, restart and fallback code (on the CPU a capture fails, so the fallback is what runs)."""
+
+import logging
+
+import pytest
+import torch
+
+import hf_vegas
+from hf_vegas import graphs
+from hf_vegas.cache import VegasCache
+from hf_vegas.candidate import VegasCandidateGenerator
+from hf_vegas.config import VegasConfig
+from tiny_models import BUILDERS, ragged_batch, tiny_model
+
+SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=8)
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (CPU counterparts below)")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_pool():
+    graphs.release_graphs()
+    graphs._LOGGED.clear()
+    yield
+    graphs.release_graphs()
+
+
+def _generate(model, ids, mask, **kwargs):
+    common = dict(attention_mask=mask, max_new_tokens=16, pad_token_id=0, return_dict_in_generate=True)
+    return model.generate(ids, **common, custom_generate="vegas", **SPARSE, **kwargs)
+
+
+def _pooled_graphs(model) -> graphs.StepGraphs:
+    return graphs._POOL[model].graphs
+
+
+@needs_gpu
+@pytest.mark.parametrize("arch", list(BUILDERS))
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_graph_steps_give_the_eager_tokens(arch, backend):
+    model = tiny_model(arch).cuda()
+    ids, mask = (t.cuda() for t in ragged_batch([80, 61, 37]))
+    vanilla = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    eager = _generate(model, ids, mask, vegas_gamma=4, vegas_backend=backend, vegas_cuda_graphs=False)
+    graphed = _generate(model, ids, mask, vegas_gamma=4, vegas_backend=backend)
+    torch.testing.assert_close(graphed.sequences, vanilla, rtol=0, atol=0)
+    torch.testing.assert_close(graphed.accepted, eager.accepted, rtol=0, atol=0)
+    steps = _pooled_graphs(model)
+    assert steps.disabled_reason is None
+    assert steps.captures == 2 and steps.replays > 0, "one draft and one verify graph, replayed"
+
+
+@needs_gpu
+@pytest.mark.parametrize("policy,gamma", [("streaming", 3), ("vegas", 0)])
+def test_graph_steps_streaming_and_dense(policy, gamma):
+    model = tiny_model("llama").cuda()
+    ids, mask = (t.cuda() for t in ragged_batch([50, 33]))
+    vanilla = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    extra = SPARSE if gamma else {}
+    common = dict(attention_mask=mask, max_new_tokens=16, pad_token_id=0, do_sample=False)
+    out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=gamma, vegas_policy=policy, **extra)
+    torch.testing.assert_close(out, vanilla, rtol=0, atol=0)
+    assert _pooled_graphs(model).captures == (2 if gamma else 1)
+
+
+@needs_gpu
+def test_graph_sampling_draws_the_eager_tokens():
+    """Sampling runs outside the graphs on bit-identical logits, so one seed gives the eager tokens."""
+    model = tiny_model("qwen3", seed=3).cuda()
+    ids, mask = (t.cuda() for t in ragged_batch([60, 41], seed=3))
+    runs = []
+    for use_graphs in (False, True):
+        torch.manual_seed(7)
+        runs.append(_generate(model, ids, mask, vegas_gamma=3, do_sample=True, temperature=0.6, top_p=0.95,
+                              vegas_cuda_graphs=use_graphs).sequences)
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
+
+
+@needs_gpu
+def test_graphs_are_reused_across_calls_and_recaptured_when_weights_move():
+    model = tiny_model("llama").cuda()
+    first_ids, first_mask = (t.cuda() for t in ragged_batch([70, 52], seed=1))
+    second_ids, second_mask = (t.cuda() for t in ragged_batch([66, 60], seed=2))  # same capacity bucket
+    first = _generate(model, first_ids, first_mask, vegas_gamma=4, do_sample=False)
+    steps = _pooled_graphs(model)
+    second = _generate(model, second_ids, second_mask, vegas_gamma=4, do_sample=False)
+    assert second.past_key_values is first.past_key_values and _pooled_graphs(model) is steps
+    assert steps.captures == 2, "the second call replays the first call's graphs"
+    vanilla = model.generate(second_ids, attention_mask=second_mask, max_new_tokens=16, do_sample=False,
+                             pad_token_id=0)
+    torch.testing.assert_close(second.sequences, vanilla, rtol=0, atol=0)
+    model.to(torch.float64).to(torch.float32)  # new weight tensors: the old graphs would read freed memory
+    third = _generate(model, second_ids, second_mask, vegas_gamma=4, do_sample=False)
+    assert _pooled_graphs(model) is not steps
+    torch.testing.assert_close(third.sequences, vanilla, rtol=0, atol=0)
+
+
+@needs_gpu
+def test_failed_capture_falls_back_eagerly_with_one_warning(caplog):
+    model = tiny_model("llama").cuda()
+
+    def syncs_while_capturing(module, args):
+        if torch.cuda.is_current_stream_capturing():
+            args[0].sum().item()  # a host synchronisation: refused inside a capture
+
+    model.model.layers[1].register_forward_pre_hook(syncs_while_capturing)
+    ids, mask = (t.cuda() for t in ragged_batch([50, 33]))
+    vanilla = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    with caplog.at_level(logging.WARNING, logger="hf_vegas"):
+        for _ in range(2):
+            out = _generate(model, ids, mask, vegas_gamma=3, do_sample=False)
+            torch.testing.assert_close(out.sequences, vanilla, rtol=0, atol=0)
+    warnings = [r for r in caplog.records if "eagerly" in r.getMessage()]
+    assert len(warnings) == 1 and "capturing the" in warnings[0].getMessage()
+
+
+# -- CPU counterparts -------------------------------------------------------------------------------------------
+
+
+def test_cpu_runs_eagerly_and_says_why_once(caplog):
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([40, 25])
+    with caplog.at_level(logging.INFO, logger="hf_vegas"):
+        for _ in range(2):
+            out = _generate(model, ids, mask, vegas_gamma=3, do_sample=False)
+    assert model not in graphs._POOL, "nothing is pooled without graphs"
+    reasons = [r.getMessage() for r in caplog.records if "eagerly" in r.getMessage()]
+    assert reasons == ["hf_vegas runs its steps eagerly: CUDA graphs need a CUDA device, the model is on cpu."]
+    assert out.past_key_values.capacity == 40 + 16 + 2 * 3 + 1, "no bucket rounding without graphs"
+
+
+def test_pooled_cache_restarts_cleanly_and_a_failed_capture_falls_back(monkeypatch, caplog):
+    """With the device check lifted on the CPU, the pool hands the same cache to the next call (restarted), and the
+    capture at each step kind's second call fails (no CUDA), which must fall back to eager with one warning."""
+    monkeypatch.setattr(graphs, "no_graph_reason", lambda config, device: None)
+    model = tiny_model("qwen3")
+    prompts = [ragged_batch([70, 52], seed=1), ragged_batch([66, 60], seed=2)]
+    outputs = []
+    with caplog.at_level(logging.WARNING, logger="hf_vegas"):
+        for ids, mask in prompts:
+            outputs.append(_generate(model, ids, mask, vegas_gamma=4, do_sample=False))
+    assert outputs[1].past_key_values is outputs[0].past_key_values
+    assert outputs[0].past_key_values.capacity == graphs.CAPACITY_BUCKET
+    for (ids, mask), out in zip(prompts, outputs):
+        vanilla = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        torch.testing.assert_close(out.sequences, vanilla, rtol=0, atol=0)
+    assert len([r for r in caplog.records if "capturing the" in r.getMessage()]) == 1
+    hf_vegas.release_graphs(model)
+    assert model not in graphs._POOL
+
+
+def test_cache_state_keeps_its_tensors_through_every_step():
+    """A graph reads the addresses it saw at capture: the cache's cross-step state must only change in place."""
+    model = tiny_model("llama")
+    config = VegasConfig(gamma=3, sparsity=0.2, min_tokens=4)
+    ids, mask = ragged_batch([30, 21])
+    cache = VegasCache(model.config, 2, 64, config)
+    drafter = VegasCandidateGenerator(model, cache, None, do_sample=False)
+    names = ("lengths", "left_pad", "verify_end", "sel_idx", "sel_count", "sel_end")
+    from hf_vegas.attention import active_cache, vegas_attention
+
+    with vegas_attention(model), active_cache(cache):
+        left_pad = (mask == 0).sum(dim=1)
+        before = {name: getattr(cache, name) for name in names}
+        drafter.forward(ids, logits_to_keep=1, mode="prefill", left_pad=left_pad)
+        tokens = torch.zeros(2, 64, dtype=torch.long)
+        for _ in range(2):
+            drafts, _ = drafter.draft(ids[:, -1], tokens, [30, 30])
+            drafter.forward(torch.cat([ids[:, -1:], drafts], dim=1), logits_to_keep=4)
+            cache.rollback(cache.lengths - 2)
+        cache.restart()
+    for name in names:
+        assert getattr(cache, name) is before[name], f"cache.{name} was replaced, not written in place"
