@@ -1,7 +1,7 @@
 """Kernel benchmark: time, bytes moved and achieved bandwidth of every hf_vegas kernel at real attention shapes.
 
-    python benchmarks/kernels.py                       # all shapes, batch {1, 8, 64}, context {8K, 32K, 128K}
-    python benchmarks/kernels.py --shapes qwen3-8b --batches 4 --contexts 32768
+    python benchmarks/kernel_bandwidth.py                       # all shapes, batch {1, 8, 64}, context {8K, 32K, 128K}
+    python benchmarks/kernel_bandwidth.py --shapes qwen3-8b --batches 4 --contexts 32768
 
 For each (model shape, batch, context) that fits in memory it measures, with CUDA graphs (launch cost amortised)
 over enough cache copies that the working set exceeds L2:
@@ -28,7 +28,8 @@ import triton
 from tqdm.auto import tqdm
 
 import hf_vegas
-from provenance import commit  # benchmarks/ is the script's directory
+from gpu_timing import copy_bandwidth, graph_time, read_bandwidth  # benchmarks/ is the script's directory
+from provenance import commit
 
 # Attention shapes of the two reference models: (query heads, KV heads, head dim, full-attention layers).
 SHAPES = {"smollm2-135m": (9, 3, 64, 30), "qwen3-8b": (32, 8, 128, 36)}
@@ -36,46 +37,6 @@ SHAPES = {"smollm2-135m": (9, 3, 64, 30), "qwen3-8b": (32, 8, 128, 36)}
 WEIGHT_BYTES = {"smollm2-135m": 134.5e6 * 2, "qwen3-8b": 8.19e9 * 2}
 GAMMA, SPARSITY, MIN_TOKENS = 6, 0.07, 256
 L2_FLUSH_BYTES = 256 << 20  # rotate over cache copies until one round moves at least this much
-
-
-def graph_time(fn, calls: int) -> float:
-    """Seconds per call of `fn(i)` for i in range(calls), replayed as one CUDA graph (median of 20 replays)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(calls):  # warm-up: compiles the kernels outside the capture
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), 1 GiB buffers."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    seconds = graph_time(lambda i: dst.copy_(src), 1)
-    return 2 * src.numel() / seconds
-
-
-def read_bandwidth() -> float:
-    """Read-only bandwidth in bytes/s: a full reduction over a 1 GiB buffer (what an attention kernel does)."""
-    src = torch.ones(1 << 29, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty((), dtype=torch.float32, device="cuda")
-    return 2 * src.numel() / graph_time(lambda i: torch.sum(src, dim=0, dtype=torch.float32, out=out), 1)
 
 
 def budget(n: int) -> int:
@@ -196,7 +157,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.jsonl"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU.")
+        raise SystemExit("benchmarks/kernel_bandwidth.py needs a CUDA GPU.")
     dtype = getattr(torch, args.dtype)
     bandwidth = copy_bandwidth()
     base = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

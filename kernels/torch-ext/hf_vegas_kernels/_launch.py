@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-# Launch parameters of the attention kernel, per kind of call, chosen on an H100 with `benchmarks/kernels.py --sweep`
+# Launch parameters of the attention kernel, per kind of call, chosen on an H100 with `benchmarks/kernel_bandwidth.py --sweep`
 # (results in benchmarks/results/kernels_sweep.jsonl). `waves`: programs per SM the splits aim for. Verification
 # (several query tokens) with head_dim 128 and at least 32 (row, KV head) pairs wanted many more splits (Qwen3-8B,
 # batch 4 x 32K: 212 us at 8 waves, 258 us at 2), but not at batch 1 (1 x 128K: 196 us at 2 waves, 217 us at 8),

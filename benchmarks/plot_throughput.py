@@ -1,0 +1,71 @@
+"""Draw the throughput benchmark's results from its JSONL records.
+
+    python benchmarks/plot_throughput.py              # benchmarks/results/throughput.jsonl -> throughput.png
+
+One panel per (model, decoding): decode tokens/s of each method at each batch size (bars, log scale), with each
+method's memory-traffic bound as a tick above its bar. Projected values (random-weight shapes) are hatched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {"hf": "#9e9e9e", "dense": "#4c72b0", "streaming": "#dd8452", "vegas": "#55a868"}
+LABELS = {"hf": "HF static + compile", "dense": "hf_vegas dense (gamma 0)", "streaming": "streaming drafts",
+          "vegas": "Vegas"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--records", type=Path, default=Path("benchmarks/results/throughput.jsonl"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.png"))
+    parser.add_argument("--commit", default=None, help="plot this commit's records (default: the newest)")
+    args = parser.parse_args()
+    records = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
+    if not records:
+        raise SystemExit(f"{args.records} holds no records")
+    commit = args.commit or records[-1]["commit"]
+    latest = {}  # the last record of each measurement of this commit wins
+    for r in records:
+        if r["commit"] == commit and "tokens_per_s" in r:
+            latest[(r["model"], r["decoding"], r["batch"], r["prompt_tokens"], r["method"])] = r
+    panels = sorted({(m, d) for m, d, *_ in latest}, key=lambda p: (p[0] != "smollm2", p))
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+    for ax, (model, decoding) in zip(axes[0], panels):
+        groups = sorted({(b, p) for m, d, b, p, _ in latest if (m, d) == (model, decoding)})
+        methods = [m for m in COLORS if any((model, decoding, b, p, m) in latest for b, p in groups)]
+        width = 0.8 / len(methods)
+        for i, method in enumerate(methods):
+            for g, (batch, prompt) in enumerate(groups):
+                r = latest.get((model, decoding, batch, prompt, method))
+                if r is None:
+                    continue
+                x = g + (i - (len(methods) - 1) / 2) * width
+                ax.bar(x, r["tokens_per_s"], width, color=COLORS[method], hatch="//" if r.get("projected") else None,
+                       label=LABELS[method] if g == 0 else None, edgecolor="white")
+                ax.plot([x - width / 2, x + width / 2], [r["bound_tokens_per_s"]] * 2, color="black", linewidth=1.5)
+        ax.set_xticks(range(len(groups)), [f"{b} x {p / 1024:.1f}K" for b, p in groups])
+        ax.set_yscale("log")
+        ax.set_title(f"{model}, {decoding}", fontsize=10)
+        ax.set_xlabel("batch x prompt tokens")
+        ax.set_ylabel("decode tokens/s")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    first = next(iter(latest.values()))
+    fig.suptitle(f"hf_vegas throughput, {first['gpu']}, bf16, commit {commit}; black tick: memory-traffic bound "
+                 f"(read {first['read_bandwidth_GBps']:.0f} GB/s); hatched: projected", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out} from {len(latest)} records of commit {commit}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Where a decode step's time goes: timestamps for HF's loop and CUDA-event splits of hf_vegas' iterations.
+
+The library has no timing code; this module wraps the loop's private steps for the benchmark only:
+
+    iteration  = [host gap] draft (gamma graph replays + logits processing + token choice)
+                 -> verify (one graph replay: full attention, score emission, selection)
+                 -> accept (acceptance, cache rollback, commit, and the one host synchronisation)
+
+`draft`, `verify` and `accept` are GPU-timeline intervals between CUDA events; `host` is the rest of the
+iteration's wall time, i.e. the time the GPU waited for Python (mostly between the sync and the first launch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from transformers import StoppingCriteria
+
+from hf_vegas import decoding
+from hf_vegas.candidate import VegasCandidateGenerator
+
+
+class FirstTokenClock(StoppingCriteria):
+    """Never stops; remembers when HF's loop produced its first token (after the prefill), for decode-only timing."""
+
+    def __init__(self):
+        self.first: float | None = None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.first is None:
+            torch.cuda.synchronize()
+            self.first = time.perf_counter()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class IterationTimes:
+    """Per-iteration wall times and GPU splits of every hf_vegas generation inside `record()`."""
+
+    def __init__(self):
+        self.iterations: list[dict] = []
+
+    @contextlib.contextmanager
+    def record(self):
+        events: list[dict] = []
+        original_iterate = decoding._Loop._iterate
+        original_draft = VegasCandidateGenerator.draft
+        original_forward = VegasCandidateGenerator.forward
+
+        def mark(name: str) -> None:
+            if events:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                events[-1][name] = event
+
+        def iterate(loop, active):
+            events.append({"wall_start": time.perf_counter()})
+            mark("start")
+            n = original_iterate(loop, active)  # ends with the iteration's host synchronisation
+            events[-1]["wall_end"] = time.perf_counter()
+            mark("end")
+            return n
+
+        def draft(drafter, *args, **kwargs):
+            out = original_draft(drafter, *args, **kwargs)
+            mark("drafted")
+            return out
+
+        def forward(drafter, input_ids, logits_to_keep, mode=None, left_pad=None):
+            out = original_forward(drafter, input_ids, logits_to_keep, mode, left_pad)
+            if drafter.cache.mode in ("verify", "decode") and mode != "prefill":
+                mark("verified")
+            return out
+
+        decoding._Loop._iterate = iterate
+        VegasCandidateGenerator.draft = draft
+        VegasCandidateGenerator.forward = forward
+        try:
+            yield self
+        finally:
+            decoding._Loop._iterate = original_iterate
+            VegasCandidateGenerator.draft = original_draft
+            VegasCandidateGenerator.forward = original_forward
+            torch.cuda.synchronize()
+            self.iterations = [_split(e) for e in events]
+
+    def decode_seconds(self) -> float:
+        """From the first iteration's start (the prefill and first token done and synced) to the last one's end."""
+        return self.iterations[-1]["wall_end"] - self.iterations[0]["wall_start"]
+
+    def median_ms(self) -> dict[str, float]:
+        keys = ("wall", "draft", "verify", "accept", "host")
+        return {k: sorted(i[k] for i in self.iterations)[len(self.iterations) // 2] for k in keys}
+
+
+def _split(e: dict) -> dict:
+    """Milliseconds of each part of one iteration (CUDA events are read after the final synchronisation)."""
+    drafted = e.get("drafted", e["start"])  # gamma = 0 has no draft
+    split = dict(
+        wall_start=e["wall_start"], wall_end=e["wall_end"], wall=(e["wall_end"] - e["wall_start"]) * 1e3,
+        draft=e["start"].elapsed_time(drafted), verify=drafted.elapsed_time(e["verified"]),
+        accept=e["verified"].elapsed_time(e["end"]),
+    )
+    split["host"] = max(split["wall"] - split["draft"] - split["verify"] - split["accept"], 0.0)
+    return split

@@ -1,0 +1,207 @@
+"""Throughput benchmark: HF's best vanilla generate, our dense path and Vegas, in one run on one GPU.
+
+    python benchmarks/throughput.py                           # every default workload (below), greedy and sampling
+    python benchmarks/throughput.py --workloads smollm2:64x7500 --decodings greedy
+    python benchmarks/plot_throughput.py                      # README's PNG, from the JSONL
+
+Methods, on the same prompts in one process:
+  hf         HF `generate` with a static cache (which makes it torch.compile the decode step; its fastest path)
+  dense      hf_vegas with gamma = 0: one token per step over the Vegas cache, Triton dense attention, CUDA graphs
+  vegas      hf_vegas, policy "vegas" (defaults: gamma 6, sparsity 0.07, min 256 tokens, weights scores)
+  streaming  hf_vegas, policy "streaming" (StreamingLLM selection) at the same gamma and budget
+Each runs once to warm up (compile, capture), then once timed. Decode tokens/s = batch x (new tokens - 1) / the time
+from the first token (after the prefill) to the last. EOS is ignored: every row generates exactly the tokens asked.
+Bounds (`traffic.py`): the bytes a step must read over the read bandwidth measured in this run. On random-weight
+shapes Vegas' throughput is projected: measured iteration time x tokens per iteration of SmolLM2 (same decoding).
+Every record (GPU, versions, commit, workload, config, times, bounds) is appended to --out; a table ends the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import transformers
+import triton
+from tqdm.auto import tqdm
+
+import hf_vegas
+import traffic
+import workloads
+from gpu_timing import read_bandwidth
+from provenance import commit
+from step_timer import FirstTokenClock, IterationTimes
+
+METHODS = ("hf", "dense", "vegas", "streaming")
+DECODINGS = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=0)}
+
+
+def run_hf(model, ids, mask, new_tokens, decoding) -> dict:
+    common = dict(attention_mask=mask, max_new_tokens=new_tokens, cache_implementation="static", **DECODINGS[decoding])
+    model.generate(ids, **common)  # compiles the decode step for this shape
+    clock = FirstTokenClock()
+    torch.manual_seed(0)
+    out = model.generate(ids, **common, stopping_criteria=transformers.StoppingCriteriaList([clock]))
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - clock.first
+    steps = new_tokens - 1
+    return dict(decode_seconds=seconds, step_ms=seconds / steps * 1e3, new_tokens=out.shape[1] - ids.shape[1])
+
+
+def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfig) -> dict:
+    common = dict(attention_mask=mask, max_new_tokens=new_tokens, custom_generate="vegas", vegas_config=config,
+                  return_dict_in_generate=True, **DECODINGS[decoding])
+    model.generate(ids, **common)  # warm-up: Triton compiles, graphs captured (kept for the timed call)
+    timer = IterationTimes()
+    torch.manual_seed(0)
+    with timer.record():
+        out = model.generate(ids, **common)
+    accepted = out.accepted[out.accepted >= 0]
+    return dict(decode_seconds=timer.decode_seconds(), step_ms=timer.median_ms()["wall"],
+                split_ms=timer.median_ms(), iterations=out.accepted.shape[1],
+                tokens_per_iteration=float((accepted + 1).float().mean()),
+                new_tokens=out.sequences.shape[1] - ids.shape[1])
+
+
+def vegas_config(method: str, args) -> hf_vegas.VegasConfig:
+    if method == "dense":
+        return hf_vegas.VegasConfig(gamma=0)
+    return hf_vegas.VegasConfig(gamma=args.gamma, sparsity=args.sparsity, min_tokens=args.min_tokens,
+                                score=args.score, policy=method)
+
+
+def bound(model, workload, method, new_tokens, config, tokens_per_iteration, bandwidth) -> dict:
+    """Traffic bound at the mean context of the decode (prompt + half the new tokens)."""
+    context = workload.prompt_tokens + new_tokens // 2
+    if method in ("hf", "dense"):
+        step_bytes, tokens = traffic.dense_step_bytes(model, workload.batch, context), workload.batch
+    else:
+        step_bytes = traffic.vegas_iteration_bytes(model, workload.batch, context, config)
+        tokens = workload.batch * tokens_per_iteration
+    seconds = step_bytes / bandwidth
+    return dict(bound_step_bytes=step_bytes, bound_step_ms=seconds * 1e3, bound_tokens_per_s=tokens / seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", default=list(workloads.DEFAULT_WORKLOADS),
+                        help=f"MODEL:BATCHxPROMPT_TOKENS, MODEL in {list(workloads.MODELS)}")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--decodings", nargs="+", choices=list(DECODINGS), default=list(DECODINGS))
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="real models")
+    parser.add_argument("--shape-new-tokens", type=int, default=32, help="random-weight shapes (timing only)")
+    parser.add_argument("--gamma", type=int, default=6)
+    parser.add_argument("--sparsity", type=float, default=0.07)
+    parser.add_argument("--min-tokens", type=int, default=256)
+    parser.add_argument("--score", default="weights")
+    parser.add_argument("--data-files", help="local file of prompt texts for `datasets` (default: Python's docs)")
+    parser.add_argument("--text-column", default="text")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.jsonl"))
+    parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/throughput.py needs a CUDA GPU.")
+    plan = [workloads.parse_workload(w) for w in args.workloads]  # bad input fails before any GPU work
+    plan.sort(key=lambda w: not w.real_weights)  # real models first: the projections need their tokens/iteration
+
+    bandwidth = read_bandwidth()
+    base = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                transformers=transformers.__version__, hf_vegas=hf_vegas.__version__,
+                commit=args.commit or commit(), dtype="bfloat16", read_bandwidth_GBps=bandwidth / 1e9)
+    texts = None
+    if any(w.real_weights for w in plan):
+        from prompts import load_texts
+
+        texts = load_texts(args.data_files, args.text_column)
+    records, loaded = [], (None, None, None)
+    jobs = [(w, d, m) for w in plan for d in (args.decodings if w.real_weights else ["greedy"]) for m in args.methods]
+    bar = tqdm(jobs, desc="throughput", dynamic_ncols=True, disable=args.no_progress)
+    for workload, decoding, method in bar:
+        bar.set_postfix_str(f"{workload} {decoding} {method}")
+        if loaded[0] != workload.model:
+            loaded = (None, None, None)
+            hf_vegas.release_graphs()
+            torch._dynamo.reset()
+            model, tokenizer = workloads.load_model(workload.model, max(w.prompt_tokens for w in plan) + 1024)
+            loaded = (workload.model, model, tokenizer)
+        _, model, tokenizer = loaded
+        ids, mask = workloads.prompts(workload, tokenizer, texts)
+        new_tokens = args.max_new_tokens if workload.real_weights else args.shape_new_tokens
+        config = vegas_config(method, args) if method != "hf" else None
+        record = dict(base, model=workload.model, real_weights=workload.real_weights, batch=workload.batch,
+                      prompt_tokens=int(mask.sum(dim=1).max()), new_tokens=new_tokens, decoding=decoding,
+                      method=method, config=config.to_dict() if config else {"cache_implementation": "static"})
+        try:
+            if method == "hf":
+                hf_vegas.release_graphs()  # give HF the memory our cache held
+                record.update(run_hf(model, ids, mask, new_tokens, decoding))
+            else:
+                record.update(run_ours(model, ids, mask, new_tokens, decoding, config))
+        except torch.OutOfMemoryError as error:
+            record.update(error=f"OutOfMemoryError: {str(error).splitlines()[0]}")
+            torch.cuda.empty_cache()
+        if "error" not in record:
+            _add_throughput(record, model, workload, method, new_tokens, config, records, bandwidth)
+        records.append(record)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+    print_table(records)
+
+
+def _add_throughput(record, model, workload, method, new_tokens, config, records, bandwidth) -> None:
+    speculative = method in ("vegas", "streaming")
+    if speculative and not workload.real_weights:  # acceptance of random weights means nothing: project
+        tpi = _projected_tpi(records, method, record["decoding"], record)
+    else:
+        tpi = record.get("tokens_per_iteration", 1.0)
+    record.update(bound(model, workload, method, new_tokens, config, tpi, bandwidth))
+    if record.get("projected"):
+        record["measured_tokens_per_s"] = workload.batch * (new_tokens - 1) / record["decode_seconds"]
+        record["tokens_per_s"] = workload.batch * tpi / (record["step_ms"] / 1e3)
+    else:
+        record["tokens_per_s"] = workload.batch * (new_tokens - 1) / record["decode_seconds"]
+    record["fraction_of_bound"] = record["tokens_per_s"] / record["bound_tokens_per_s"]
+
+
+def _projected_tpi(records, method, decoding, record) -> float:
+    """Tokens per iteration of the same policy on the real model (largest batch), for a random-weight shape."""
+    real = [r for r in records if r["real_weights"] and r["method"] == method and r["decoding"] == decoding
+            and "tokens_per_iteration" in r]
+    if not real:
+        record["projected"] = False
+        return record["tokens_per_iteration"]
+    source = max(real, key=lambda r: r["batch"])
+    record.update(projected=True, projected_from=f"{source['model']} batch {source['batch']} {decoding}",
+                  measured_tokens_per_iteration=record["tokens_per_iteration"],
+                  tokens_per_iteration=source["tokens_per_iteration"])
+    return source["tokens_per_iteration"]
+
+
+def print_table(records) -> None:
+    print(f"\n{'workload':<24} {'decoding':<7} {'method':<9} {'tok/s':>9} {'step ms':>8} {'bound tok/s':>11} "
+          f"{'%bound':>6} {'tok/iter':>8} {'x hf':>6} {'x dense':>7}  split ms (draft/verify/accept/host)")
+    for r in records:
+        name = f"{r['model']}:{r['batch']}x{r['prompt_tokens']}"
+        if "error" in r:
+            print(f"{name:<24} {r['decoding']:<7} {r['method']:<9} {r['error'][:60]}")
+            continue
+        same = [o for o in records if o["model"] == r["model"] and o["batch"] == r["batch"]
+                and o["decoding"] == r["decoding"] and "tokens_per_s" in o]
+        ratio = {m: r["tokens_per_s"] / o["tokens_per_s"] for o in same for m in ("hf", "dense") if o["method"] == m}
+        split = r.get("split_ms", {})
+        parts = "/".join(f"{split[k]:.2f}" for k in ("draft", "verify", "accept", "host")) if split else ""
+        star = "*" if r.get("projected") else " "
+        print(f"{name:<24} {r['decoding']:<7} {r['method']:<9} {r['tokens_per_s']:>8.0f}{star} {r['step_ms']:>8.2f} "
+              f"{r['bound_tokens_per_s']:>11.0f} {100 * r['fraction_of_bound']:>5.0f}% "
+              f"{r.get('tokens_per_iteration', 1.0):>8.2f} {ratio.get('hf', float('nan')):>6.2f} "
+              f"{ratio.get('dense', float('nan')):>7.2f}  {parts}")
+    print("* projected: measured iteration time x tokens per iteration of the real model (random weights)")
+
+
+if __name__ == "__main__":
+    main()

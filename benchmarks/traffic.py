@@ -1,0 +1,47 @@
+"""Memory-traffic bounds: the bytes a decode step must read, and the fastest it can run at a measured bandwidth.
+
+A decode step of a long-context batch is memory-bound: it reads every weight once and the keys and values its
+attention needs. Its traffic bound is those bytes over the bandwidth a pure read reaches on the same GPU:
+
+    dense step (HF, our gamma = 0 path)  weights + every row's visible KV
+    Vegas iteration                      gamma drafts x (weights + selected KV + tail; sliding layers their window)
+                                         + one verification (weights + every row's full KV)
+
+Tokens per second at the bound: dense B / t_step; Vegas B x tokens-per-iteration / t_iteration (the measured
+tokens per iteration, so the bound is that of the speculation actually achieved).
+"""
+
+from __future__ import annotations
+
+
+from hf_vegas import VegasConfig
+from hf_vegas.cache import layer_types
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every parameter, counted once (tied embeddings are one tensor)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _kv_shape(model) -> tuple[list[int | None], int]:
+    """Each layer's window (None: full attention) and the KV bytes per token per layer."""
+    text = model.config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    window = getattr(text, "sliding_window", None)
+    windows = [window if kind == "sliding_attention" else None for kind in layer_types(text)]
+    return windows, 2 * text.num_key_value_heads * head_dim * model.dtype.itemsize
+
+
+def dense_step_bytes(model, batch: int, context: int) -> int:
+    windows, per_token = _kv_shape(model)
+    visible = sum(context if w is None else min(w, context) for w in windows)
+    return weight_bytes(model) + batch * visible * per_token
+
+
+def vegas_iteration_bytes(model, batch: int, context: int, config: VegasConfig) -> int:
+    """One iteration at `context` committed tokens per row: gamma sparse drafts and one full verification."""
+    windows, per_token = _kv_shape(model)
+    drafted = config.budget(context) + 2 * config.gamma  # selection + tail (accepted since, and the drafts)
+    draft_visible = sum(min(drafted, context) if w is None else min(w, context) for w in windows)
+    draft = weight_bytes(model) + batch * draft_visible * per_token
+    return config.gamma * draft + dense_step_bytes(model, batch, context + config.gamma + 1)
