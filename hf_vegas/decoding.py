@@ -43,6 +43,7 @@ def generate(
     vegas_score: str | None = None,
     vegas_policy: str | None = None,
     vegas_backend: str | None = None,
+    vegas_cuda_graphs: bool | None = None,
     **model_kwargs,
 ):
     r"""
@@ -51,7 +52,8 @@ def generate(
 
     Args:
         vegas_config (`VegasConfig` or `dict`, *optional*): all Vegas settings at once.
-        vegas_gamma, vegas_sparsity, vegas_min_tokens, vegas_score, vegas_policy, vegas_backend (*optional*):
+        vegas_gamma, vegas_sparsity, vegas_min_tokens, vegas_score, vegas_policy, vegas_backend, vegas_cuda_graphs
+            (*optional*):
             override single fields of `vegas_config` (see [`VegasConfig`]).
 
     Returns:
@@ -61,6 +63,7 @@ def generate(
     config = resolve_config(
         vegas_config, vegas_gamma=vegas_gamma, vegas_sparsity=vegas_sparsity, vegas_min_tokens=vegas_min_tokens,
         vegas_score=vegas_score, vegas_policy=vegas_policy, vegas_backend=vegas_backend,
+        vegas_cuda_graphs=vegas_cuda_graphs,
     )
     if streamer is None:
         # transformers does not forward `streamer` to custom_generate callables; take it from its generate call.

@@ -21,6 +21,7 @@ kept, per model, for the next `generate` call of the same bucket (batch, capacit
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 import weakref
@@ -159,5 +160,6 @@ def release_graphs(model=None) -> None:
         _POOL.clear()
     else:
         _POOL.pop(model, None)
+    gc.collect()  # a cache and its layers reference each other: only the collector frees them
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
