@@ -138,7 +138,8 @@ def cache_for(model, batch: int, capacity: int, config: VegasConfig, device, bac
     if entry is not None and entry.key == key:
         entry.cache.restart()
         return entry.cache, entry.graphs
-    release_graphs(model)  # free the previous bucket before allocating this one
+    del entry  # the last reference: the previous bucket's memory is freed before this one is allocated
+    release_graphs(model)
     cache = VegasCache(model.config, batch, capacity, config, device=device, backend=backend)
     _POOL[model] = _PoolEntry(key, cache, StepGraphs())
     return cache, _POOL[model].graphs

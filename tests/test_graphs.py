@@ -3,6 +3,7 @@
 same pool, restart and fallback code (on the CPU a capture fails, so the fallback is what runs)."""
 
 import logging
+import weakref
 
 import pytest
 import torch
@@ -134,6 +135,11 @@ def test_pooled_cache_restarts_cleanly_and_a_failed_capture_falls_back(monkeypat
     """With the device check lifted on the CPU, the pool hands the same cache to the next call (restarted), and the
     capture at each step kind's second call fails (no CUDA), which must fall back to eager with one warning."""
     monkeypatch.setattr(graphs, "no_graph_reason", lambda config, device: None)
+
+    def no_cuda():
+        raise RuntimeError("no CUDA graphs for a CPU model")
+
+    monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", no_cuda)  # as on a CPU-only build, also on a GPU box
     model = tiny_model("qwen3")
     prompts = [ragged_batch([70, 52], seed=1), ragged_batch([66, 60], seed=2)]
     outputs = []
@@ -146,8 +152,10 @@ def test_pooled_cache_restarts_cleanly_and_a_failed_capture_falls_back(monkeypat
         vanilla = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
         torch.testing.assert_close(out.sequences, vanilla, rtol=0, atol=0)
     assert len([r for r in caplog.records if "capturing the" in r.getMessage()]) == 1
+    cache = weakref.ref(outputs[0].past_key_values)
+    del outputs, out  # the loop variable holds the last output
     hf_vegas.release_graphs(model)
-    assert model not in graphs._POOL
+    assert model not in graphs._POOL and cache() is None, "released caches are freed"
 
 
 def test_cache_state_keeps_its_tensors_through_every_step():
@@ -172,3 +180,22 @@ def test_cache_state_keeps_its_tensors_through_every_step():
         cache.restart()
     for name in names:
         assert getattr(cache, name) is before[name], f"cache.{name} was replaced, not written in place"
+
+
+def test_a_new_bucket_frees_the_previous_one(monkeypatch):
+    """Switching shape bucket must free the old cache before allocating the new one (two would not fit at 32K)."""
+    monkeypatch.setattr(graphs, "no_graph_reason", lambda config, device: None)
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([30, 20])
+    common = dict(attention_mask=mask, max_new_tokens=8, pad_token_id=0, return_dict_in_generate=True)
+    first = weakref.ref(model.generate(ids, **common, custom_generate="vegas", vegas_gamma=0).past_key_values)
+    allocated = []
+    original = VegasCache.__init__
+
+    def spy(self, *args, **kwargs):
+        allocated.append(first() is None)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(VegasCache, "__init__", spy)
+    model.generate(ids, **common, custom_generate="vegas", vegas_gamma=3)
+    assert allocated == [True], "the gamma=0 cache was still alive when the gamma=3 one was built"
