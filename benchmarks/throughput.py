@@ -60,7 +60,10 @@ def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfi
     with timer.record():
         out = model.generate(ids, **common)
     accepted = out.accepted[out.accepted >= 0]
-    return dict(decode_seconds=timer.decode_seconds(), step_ms=timer.median_ms()["wall"],
+    steps = hf_vegas.graphs._POOL.get(model)  # how the steps ran: captured graphs, or eagerly and why
+    graphs = dict(captures=steps.graphs.captures, replays=steps.graphs.replays,
+                  eager_reason=steps.graphs.disabled_reason) if steps else dict(eager_reason="not pooled")
+    return dict(graphs=graphs, decode_seconds=timer.decode_seconds(), step_ms=timer.median_ms()["wall"],
                 split_ms=timer.median_ms(), iterations=out.accepted.shape[1],
                 tokens_per_iteration=float((accepted + 1).float().mean()),
                 new_tokens=out.sequences.shape[1] - ids.shape[1])
