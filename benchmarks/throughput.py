@@ -71,9 +71,9 @@ def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfi
 
 def vegas_config(method: str, args) -> hf_vegas.VegasConfig:
     if method == "dense":
-        return hf_vegas.VegasConfig(gamma=0)
+        return hf_vegas.VegasConfig(gamma=0, compile=args.compile)
     return hf_vegas.VegasConfig(gamma=args.gamma, sparsity=args.sparsity, min_tokens=args.min_tokens,
-                                score=args.score, policy=method)
+                                score=args.score, policy=method, compile=args.compile)
 
 
 def bound(model, workload, method, new_tokens, config, tokens_per_iteration, bandwidth) -> dict:
@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--sparsity", type=float, default=0.07)
     parser.add_argument("--min-tokens", type=int, default=256)
     parser.add_argument("--score", default="weights")
+    parser.add_argument("--compile", action="store_true", help="vegas_compile=True for our methods")
     parser.add_argument("--data-files", help="local file of prompt texts for `datasets` (default: Python's docs)")
     parser.add_argument("--text-column", default="text")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.jsonl"))

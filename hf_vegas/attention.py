@@ -33,6 +33,7 @@ def active_cache(cache: VegasCache):
         _ACTIVE.reset(token)
 
 
+@torch.compiler.disable  # host-side dispatch and Triton launches: compiled steps (`vegas_compile`) call it eagerly
 def vegas_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -210,6 +210,7 @@ class VegasCache(Cache):
             self._score_rows_by_shape[key] = torch.tensor(rows, device=self.device)
         return self._score_rows_by_shape[key]
 
+    @torch.compiler.disable  # host-side layout logic at layer 0: compiled steps (`vegas_compile`) call it eagerly
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == 0:
             self._start_forward(key_states.shape[2])

@@ -50,6 +50,10 @@ class VegasConfig:
             CUDA; elsewhere, with the `"last_token"` policy, or when a capture fails, the steps run eagerly and the
             reason is logged once. The cache and graphs are kept for the next `generate` call of the same shape
             bucket; `hf_vegas.release_graphs()` frees them.
+        compile (`bool`, *optional*, defaults to `False`):
+            `torch.compile` the draft, verify and decode forwards before capturing them (needs `cuda_graphs`): fuses
+            each layer's norms, rotary embedding and activations, which otherwise run as hundreds of tiny kernels per
+            forward. Costs a compilation (tens of seconds) at the first call of each shape.
     """
 
     gamma: int = 6
@@ -59,12 +63,16 @@ class VegasConfig:
     policy: str = "vegas"
     backend: str = "auto"
     cuda_graphs: bool = True
+    compile: bool = False
 
     def __post_init__(self):
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 0:
             raise ValueError(f"`vegas_gamma` must be an integer >= 0 (0: no drafting), got {self.gamma!r}.")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"`vegas_cuda_graphs` must be True or False, got {self.cuda_graphs!r}.")
+        for name in ("cuda_graphs", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`vegas_{name}` must be True or False, got {getattr(self, name)!r}.")
+        if self.compile and not self.cuda_graphs:
+            raise ValueError("`vegas_compile=True` compiles the captured steps: it needs `vegas_cuda_graphs=True`.")
         if isinstance(self.sparsity, bool) or not isinstance(self.sparsity, (int, float)):
             raise ValueError(f"`vegas_sparsity` must be a float in (0, 1], got {self.sparsity!r}.")
         if not (0.0 < float(self.sparsity) <= 1.0) or math.isnan(self.sparsity):

@@ -44,6 +44,7 @@ def generate(
     vegas_policy: str | None = None,
     vegas_backend: str | None = None,
     vegas_cuda_graphs: bool | None = None,
+    vegas_compile: bool | None = None,
     **model_kwargs,
 ):
     r"""
@@ -52,8 +53,8 @@ def generate(
 
     Args:
         vegas_config (`VegasConfig` or `dict`, *optional*): all Vegas settings at once.
-        vegas_gamma, vegas_sparsity, vegas_min_tokens, vegas_score, vegas_policy, vegas_backend, vegas_cuda_graphs
-            (*optional*):
+        vegas_gamma, vegas_sparsity, vegas_min_tokens, vegas_score, vegas_policy, vegas_backend, vegas_cuda_graphs,
+            vegas_compile (*optional*):
             override single fields of `vegas_config` (see [`VegasConfig`]).
 
     Returns:
@@ -63,7 +64,7 @@ def generate(
     config = resolve_config(
         vegas_config, vegas_gamma=vegas_gamma, vegas_sparsity=vegas_sparsity, vegas_min_tokens=vegas_min_tokens,
         vegas_score=vegas_score, vegas_policy=vegas_policy, vegas_backend=vegas_backend,
-        vegas_cuda_graphs=vegas_cuda_graphs,
+        vegas_cuda_graphs=vegas_cuda_graphs, vegas_compile=vegas_compile,
     )
     if streamer is None:
         # transformers does not forward `streamer` to custom_generate callables; take it from its generate call.

@@ -25,6 +25,7 @@ BAD = [
     (dict(vegas_gamma=0, vegas_sparsity=0.2), "vegas_sparsity"),
     (dict(vegas_gamma=0, vegas_policy="streaming"), "vegas_policy"),
     (dict(vegas_cuda_graphs="yes"), "vegas_cuda_graphs` must be True or False"),
+    (dict(vegas_compile=True, vegas_cuda_graphs=False), "vegas_compile=True` compiles the captured steps"),
     (dict(vegas_gamma=2.5), "vegas_gamma"),
     (dict(vegas_sparsity=0.0), "vegas_sparsity"),
     (dict(vegas_sparsity=1.5), "vegas_sparsity"),

@@ -66,6 +66,20 @@ def test_graph_steps_streaming_and_dense(policy, gamma):
 
 
 @needs_gpu
+@pytest.mark.parametrize("gamma", [0, 4])
+def test_compiled_graph_steps_give_the_vanilla_tokens(gamma):
+    model = tiny_model("qwen3").cuda()
+    ids, mask = (t.cuda() for t in ragged_batch([60, 41, 23]))
+    vanilla = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    extra = SPARSE if gamma else {}
+    common = dict(attention_mask=mask, max_new_tokens=16, pad_token_id=0, do_sample=False, custom_generate="vegas")
+    out = model.generate(ids, **common, vegas_gamma=gamma, vegas_compile=True, return_dict_in_generate=True, **extra)
+    torch.testing.assert_close(out.sequences, vanilla, rtol=0, atol=0)
+    steps = _pooled_graphs(model)
+    assert steps.disabled_reason is None and steps.captures == (2 if gamma else 1)
+
+
+@needs_gpu
 def test_graph_sampling_draws_the_eager_tokens():
     """Sampling runs outside the graphs on bit-identical logits, so one seed gives the eager tokens."""
     model = tiny_model("qwen3", seed=3).cuda()
