@@ -85,7 +85,8 @@ class StepGraphs:
             return forward(ids)
         if step is _WARM and self.compile:  # compiling runs and benchmarks kernels: never inside a capture
             self._steps[key] = _COMPILED
-            return self._compiled(forward)(ids)
+            with _dynamo_settings():
+                return self._compiled(forward)(ids)
         if step is _WARM or step is _COMPILED:
             step = self._capture(key, ids, self._compiled(forward) if self.compile else forward)
             if step is None:
@@ -106,7 +107,7 @@ class StepGraphs:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with _dynamo_settings(), torch.cuda.graph(graph, pool=self.pool):
                 logits = forward(static_ids)
         except Exception as error:  # noqa: BLE001  (any op of any model may refuse capture; eager always works)
             self.disabled_reason = f"capturing the {key[0]} forward failed ({type(error).__name__}: {error})"
@@ -116,6 +117,15 @@ class StepGraphs:
         self._steps[key] = captured
         self.captures += 1
         return captured
+
+
+def _dynamo_settings():
+    """Dynamo settings while a step compiles or is captured (a context manager; replays never enter dynamo).
+
+    Every layer's attention passes its `layer_idx` to the (eager) cache update: with module ints specialised, dynamo
+    would compile each layer's frame separately and, past its cache limit, run the rest uncompiled.
+    """
+    return torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, cache_size_limit=64)
 
 
 @dataclasses.dataclass
