@@ -103,6 +103,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="vegas_compile=True for our methods")
     parser.add_argument("--data-files", help="local file of prompt texts for `datasets` (default: Python's docs)")
     parser.add_argument("--text-column", default="text")
+    parser.add_argument("--project-from", type=Path, help="JSONL with real-model records whose tokens/iteration "
+                        "project the random-weight shapes' throughput (default: this run's records)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.jsonl"))
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     parser.add_argument("--no-progress", action="store_true")
@@ -122,6 +124,11 @@ def main() -> None:
 
         texts = load_texts(args.data_files, args.text_column)
     records, loaded = [], (None, None, None)
+    if args.project_from:  # earlier real-model records, for the projections only (not re-written or re-printed)
+        lines = args.project_from.read_text().splitlines()
+        earlier = [r for r in map(json.loads, filter(None, lines)) if r["real_weights"] and "error" not in r]
+    else:
+        earlier = []
     jobs = [(w, d, m) for w in plan for d in (args.decodings if w.real_weights else ["greedy"]) for m in args.methods]
     bar = tqdm(jobs, desc="throughput", dynamic_ncols=True, disable=args.no_progress)
     for workload, decoding, method in bar:
@@ -149,7 +156,7 @@ def main() -> None:
             record.update(error=f"OutOfMemoryError: {str(error).splitlines()[0]}")
             torch.cuda.empty_cache()
         if "error" not in record:
-            _add_throughput(record, model, workload, method, new_tokens, config, records, bandwidth)
+            _add_throughput(record, model, workload, method, new_tokens, config, earlier + records, bandwidth)
         records.append(record)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as f:
