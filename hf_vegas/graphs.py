@@ -120,12 +120,13 @@ class StepGraphs:
 
 
 def _dynamo_settings():
-    """Dynamo settings while a step compiles or is captured (a context manager; replays never enter dynamo).
+    """Dynamo limits while a step compiles or is captured (a context manager; replays never enter dynamo).
 
-    Every layer's attention passes its `layer_idx` to the (eager) cache update: with module ints specialised, dynamo
-    would compile each layer's frame separately and, past its cache limit, run the rest uncompiled.
+    Every layer's attention passes its own `layer_idx` to the (eager) cache update, so dynamo compiles that frame
+    once per layer, per step shape and per batch: past its default limit (8) it would run the other layers uncompiled.
+    Each compilation happens once, so a high limit only bounds what a process can accumulate.
     """
-    return torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, cache_size_limit=64)
+    return torch._dynamo.config.patch(recompile_limit=4096, accumulated_recompile_limit=16384)
 
 
 @dataclasses.dataclass
