@@ -52,7 +52,7 @@ def main() -> None:
                 ax.bar(x, r["tokens_per_s"], width, color=COLORS[method], hatch="//" if r.get("projected") else None,
                        label=LABELS[method] if g == 0 else None, edgecolor="white")
                 ax.plot([x - width / 2, x + width / 2], [r["bound_tokens_per_s"]] * 2, color="black", linewidth=1.5)
-        ax.set_xticks(range(len(groups)), [f"{b} x {p / 1024:.1f}K" for b, p in groups])
+        ax.set_xticks(range(len(groups)), [f"{b} x {p}" for b, p in groups])
         ax.set_yscale("log")
         ax.set_title(f"{model}, {decoding}", fontsize=10)
         ax.set_xlabel("batch x prompt tokens")

@@ -145,15 +145,21 @@ def test_cpu_runs_eagerly_and_says_why_once(caplog):
     assert out.past_key_values.capacity == 40 + 16 + 2 * 3 + 1, "no bucket rounding without graphs"
 
 
-def test_pooled_cache_restarts_cleanly_and_a_failed_capture_falls_back(monkeypatch, caplog):
-    """With the device check lifted on the CPU, the pool hands the same cache to the next call (restarted), and the
-    capture at each step kind's second call fails (no CUDA), which must fall back to eager with one warning."""
+@pytest.fixture
+def pooled_on_cpu(monkeypatch):
+    """Lift the device check so CPU models go through the pool; their captures fail as on a CPU-only build (also on
+    a GPU box, where capturing CPU ops would record an empty graph)."""
     monkeypatch.setattr(graphs, "no_graph_reason", lambda config, device: None)
 
     def no_cuda():
         raise RuntimeError("no CUDA graphs for a CPU model")
 
-    monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", no_cuda)  # as on a CPU-only build, also on a GPU box
+    monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", no_cuda)
+
+
+def test_pooled_cache_restarts_cleanly_and_a_failed_capture_falls_back(pooled_on_cpu, caplog):
+    """The pool hands the same cache to the next call of the bucket (restarted), and the capture at each step kind's
+    second call fails, which must fall back to eager with one warning."""
     model = tiny_model("qwen3")
     prompts = [ragged_batch([70, 52], seed=1), ragged_batch([66, 60], seed=2)]
     outputs = []
@@ -196,9 +202,8 @@ def test_cache_state_keeps_its_tensors_through_every_step():
         assert getattr(cache, name) is before[name], f"cache.{name} was replaced, not written in place"
 
 
-def test_a_new_bucket_frees_the_previous_one(monkeypatch):
+def test_a_new_bucket_frees_the_previous_one(pooled_on_cpu, monkeypatch):
     """Switching shape bucket must free the old cache before allocating the new one (two would not fit at 32K)."""
-    monkeypatch.setattr(graphs, "no_graph_reason", lambda config, device: None)
     model = tiny_model("llama")
     ids, mask = ragged_batch([30, 20])
     common = dict(attention_mask=mask, max_new_tokens=8, pad_token_id=0, return_dict_in_generate=True)
