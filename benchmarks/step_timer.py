@@ -6,8 +6,9 @@ The library has no timing code; this module wraps the loop's private steps for t
                  -> verify (one graph replay: full attention, score emission, selection)
                  -> accept (acceptance, cache rollback, commit, and the one host synchronisation)
 
-`draft`, `verify` and `accept` are GPU-timeline intervals between CUDA events; `host` is the rest of the
-iteration's wall time, i.e. the time the GPU waited for Python (mostly between the sync and the first launch).
+`draft`, `verify` and `accept` are GPU-timeline intervals between CUDA events: any time the GPU waits for Python to
+launch the next kernel inside an interval counts in that interval. `host` is the rest of the iteration's wall time:
+the Python work before the iteration's first launch and after its synchronisation returns.
 """
 
 from __future__ import annotations

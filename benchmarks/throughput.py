@@ -48,7 +48,11 @@ def run_hf(model, ids, mask, new_tokens, decoding) -> dict:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - clock.first
     steps = new_tokens - 1
-    return dict(decode_seconds=seconds, step_ms=seconds / steps * 1e3, new_tokens=out.shape[1] - ids.shape[1])
+    # what HF actually ran: its attention, and whether generate compiled the decode step (private attribute)
+    ran = dict(attn_implementation=model.config._attn_implementation,
+               compiled=getattr(model, "_compiled_call", None) is not None)
+    return dict(decode_seconds=seconds, step_ms=seconds / steps * 1e3, new_tokens=out.shape[1] - ids.shape[1],
+                hf=ran)
 
 
 def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfig) -> dict:
@@ -172,8 +176,11 @@ def _add_throughput(record, model, workload, method, new_tokens, config, records
         tpi = record.get("tokens_per_iteration", 1.0)
     record.update(bound(model, workload, method, new_tokens, config, tpi, bandwidth))
     if record.get("projected"):
+        # as the real model's rows: its tokens per iteration net of the ends of rows and batch (new tokens over
+        # iterations), over this run's mean iteration time
         record["measured_tokens_per_s"] = workload.batch * (new_tokens - 1) / record["decode_seconds"]
-        record["tokens_per_s"] = workload.batch * tpi / (record["step_ms"] / 1e3)
+        mean_iteration = record["decode_seconds"] / record["iterations"]
+        record["tokens_per_s"] = workload.batch * record["projected_net_tokens_per_iteration"] / mean_iteration
     else:
         record["tokens_per_s"] = workload.batch * (new_tokens - 1) / record["decode_seconds"]
     record["fraction_of_bound"] = record["tokens_per_s"] / record["bound_tokens_per_s"]
@@ -189,7 +196,8 @@ def _projected_tpi(records, method, decoding, record) -> float:
     source = max(real, key=lambda r: r["batch"])
     record.update(projected=True, projected_from=f"{source['model']} batch {source['batch']} {decoding}",
                   measured_tokens_per_iteration=record["tokens_per_iteration"],
-                  tokens_per_iteration=source["tokens_per_iteration"])
+                  tokens_per_iteration=source["tokens_per_iteration"],
+                  projected_net_tokens_per_iteration=(source["new_tokens"] - 1) / source["iterations"])
     return source["tokens_per_iteration"]
 
 

@@ -19,8 +19,13 @@ from hf_vegas.cache import layer_types
 
 
 def weight_bytes(model) -> int:
-    """Bytes of every parameter, counted once (tied embeddings are one tensor)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of every parameter a step reads: all but an untied input embedding, of which a step reads one row per
+    token (tied embeddings are the output projection, read whole)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    if embedding.data_ptr() != model.get_output_embeddings().weight.data_ptr():
+        total -= embedding.numel() * embedding.element_size()
+    return total
 
 
 def _kv_shape(model) -> tuple[list[int | None], int]:

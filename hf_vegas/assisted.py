@@ -49,6 +49,8 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
     config = resolve_config(vegas_config, **flat)
     if config.gamma == 0:
         raise ValueError("`vegas_gamma=0` (no drafts) has nothing to assist: use hf_vegas.generate, or gamma >= 1.")
+    if config.compile:
+        raise ValueError("`vegas_compile=True` compiles captured steps; HF's assisted loop runs eagerly. Leave it off.")
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"HF's assisted decoding runs batch 1; got input_ids of shape {tuple(input_ids.shape)}.")
     validation.check_model(model)

@@ -85,8 +85,8 @@ def generate(
     # A row ends at most at prompt + max_new + gamma committed slots (it can stop inside its last chunk) and rows
     # that ended keep being drafted and verified, gamma + 1 slots further, until the whole batch ends.
     capacity = int(real_len.max()) + max_new + 2 * config.gamma + 1
-    cache, step_graphs = graphs.cache_for(model, input_ids.shape[0], capacity, config, input_ids.device, backend_name)
-    with vegas_attention(model), active_cache(cache):
+    pooled = graphs.cache_for(model, input_ids.shape[0], capacity, config, input_ids.device, backend_name)
+    with pooled as (cache, step_graphs), vegas_attention(model), active_cache(cache):
         loop = _Loop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
                      generation_config, streamer)
         sequences, accepted = loop.run()
@@ -171,10 +171,13 @@ class _Loop:
             n, chunk = torch.zeros_like(nxt), nxt[:, None]
         else:
             n, nxt, chunk = self._speculate()
-        # Accepted drafts and the pending token now have exact KV; the next pending token is `nxt`.
-        cache.rollback(torch.where(active, committed + n + 1, committed))
-        self.pending = torch.where(active, nxt, self.pending)
-        self._commit(chunk, n + 1, active)
+        keep = self._commit(chunk, n + 1, active)  # 0 for inactive rows
+        # The pending token and the kept tokens before the last have exact KV; the last kept token is the next
+        # pending one. Usually keep = n + 1 (the cache keeps the accepted drafts, `nxt` is pending); a row cut by a
+        # stopping criterion that goes on decoding (no EOS) resumes right after the cut, as vanilla does.
+        cache.rollback(committed + keep)
+        last = chunk.gather(1, (keep - 1).clamp_min(0)[:, None]).squeeze(1)
+        self.pending = torch.where(keep > 0, last, self.pending)
         return n
 
     def _speculate(self):
@@ -193,8 +196,8 @@ class _Loop:
         chunk.scatter_(1, n[:, None], nxt[:, None])
         return n, nxt, chunk
 
-    def _commit(self, chunk: torch.Tensor, chunk_len: torch.Tensor, active: torch.Tensor) -> None:
-        """Append each active row's chunk, cut where vanilla generate would have stopped."""
+    def _commit(self, chunk: torch.Tensor, chunk_len: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """Append each active row's chunk, cut where vanilla generate would have stopped. Returns the kept counts."""
         cols = self.history_t[:, None] + torch.arange(chunk.shape[1], device=chunk.device)[None, :]
         rows = self.cache.row_index[:, None]
         old = self.tokens[rows, cols]
@@ -211,6 +214,7 @@ class _Loop:
         self.history = [h + k for h, k in zip(self.history, keep_host)]
         self.generated = [g + k for g, k in zip(self.generated, keep_host)]
         self.finished = [f or bool(s) for f, s in zip(self.finished, stopped_host)]
+        return keep
 
     def _sequences(self, width: int) -> torch.Tensor:
         length = self.target_len if self.target_len is not None else max(self.generated)

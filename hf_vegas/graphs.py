@@ -14,12 +14,14 @@ kernels get host-side sizes from the cache's capacity, never from the data). Eac
     later      copy the input ids into the graph's static buffer, replay
 
 Graphs capture the addresses of the cache buffers and the model's weights, so the cache they were captured over is
-kept, per model, for the next `generate` call of the same bucket (batch, capacity rounded up, config, weights);
-`release_graphs()` frees it.
+kept, per model, for the next `generate` call of the same bucket (batch, capacity rounded up, config, weight
+addresses, autocast); `release_graphs()` frees it. What the bucket cannot see needs a `release_graphs(model)` before
+the next call: weights changed by swapping modules (adapters switched on or off), new forward hooks, config edits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -134,6 +136,7 @@ class _PoolEntry:
     key: tuple
     cache: VegasCache
     graphs: StepGraphs
+    busy: bool = False  # a generation is using the cache
 
 
 _POOL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -150,25 +153,44 @@ def no_graph_reason(config: VegasConfig, device: torch.device) -> str | None:
     return None
 
 
+@contextlib.contextmanager
 def cache_for(model, batch: int, capacity: int, config: VegasConfig, device, backend: str):
-    """`(cache, graphs)` for one generation: the pooled pair of this bucket, or a new one; `graphs` is None (eager)
-    when the steps cannot be captured (the reason is logged once)."""
+    """`(cache, graphs)` for one generation, held for the block: the pooled pair of this bucket, or a new one.
+
+    `graphs` is None (eager) when the steps cannot be captured (the reason is logged once), and also while another
+    generation on the same model holds the pooled cache (a streamer or thread calling `generate` again).
+    """
     reason = no_graph_reason(config, device)
-    if reason is not None:
-        if config.cuda_graphs:
-            _log_once(logging.INFO, f"hf_vegas runs its steps eagerly: {reason}.")
-        return VegasCache(model.config, batch, capacity, config, device=device, backend=backend), None
-    capacity = math.ceil(capacity / CAPACITY_BUCKET) * CAPACITY_BUCKET
-    key = (batch, capacity, config, backend, str(torch.device(device)), model.dtype, _weights_fingerprint(model))
     entry = _POOL.get(model)
-    if entry is not None and entry.key == key:
+    if reason is None and entry is not None and entry.busy:
+        reason = "another generate call on this model holds its pooled cache"
+    if reason is not None:
+        if config.compile:
+            _log_once(logging.WARNING, f"vegas_compile=True has no effect: {reason}.")
+        elif config.cuda_graphs:
+            _log_once(logging.INFO, f"hf_vegas runs its steps eagerly: {reason}.")
+        if entry is not None and not entry.busy:
+            del entry
+            release_graphs(model)  # an idle pooled cache would hold its memory next to this one
+        yield VegasCache(model.config, batch, capacity, config, device=device, backend=backend), None
+        return
+    capacity = math.ceil(capacity / CAPACITY_BUCKET) * CAPACITY_BUCKET
+    autocast = torch.is_autocast_enabled(torch.device(device).type)  # captured kernels bake in the dtypes
+    key = (batch, capacity, config, backend, str(torch.device(device)), model.dtype, autocast,
+           _weights_fingerprint(model))
+    if entry is None or entry.key != key:
+        del entry  # the last reference: the previous bucket's memory is freed before this one is allocated
+        release_graphs(model)
+        cache = VegasCache(model.config, batch, capacity, config, device=device, backend=backend)
+        _POOL[model] = _PoolEntry(key, cache, StepGraphs(compile=config.compile))
+        entry = _POOL[model]
+    else:
         entry.cache.restart()
-        return entry.cache, entry.graphs
-    del entry  # the last reference: the previous bucket's memory is freed before this one is allocated
-    release_graphs(model)
-    cache = VegasCache(model.config, batch, capacity, config, device=device, backend=backend)
-    _POOL[model] = _PoolEntry(key, cache, StepGraphs(compile=config.compile))
-    return cache, _POOL[model].graphs
+    entry.busy = True
+    try:
+        yield entry.cache, entry.graphs
+    finally:
+        entry.busy = False
 
 
 def _weights_fingerprint(model) -> tuple[int, ...]:
@@ -185,8 +207,8 @@ def release_graphs(model=None) -> None:
     """
     if model is None:
         _POOL.clear()
-    else:
-        _POOL.pop(model, None)
+    elif _POOL.pop(model, None) is None:
+        return
     gc.collect()  # a cache and its layers reference each other: only the collector frees them
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

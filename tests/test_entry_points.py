@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers.generation.streamers import BaseStreamer
 
@@ -86,3 +87,11 @@ def test_num_return_sequences_with_sampling():
                          **SPARSE)
     assert out.shape == (6, 36)
     assert torch.equal(out[:3, :30], ids[:1].repeat(3, 1))
+
+
+def test_assisted_loop_refuses_what_it_cannot_do():
+    model = tiny_model("llama")
+    ids, _ = ragged_batch([20])
+    for kwargs, named in ((dict(vegas_gamma=0), "vegas_gamma=0"), (dict(vegas_compile=True), "vegas_compile=True")):
+        with pytest.raises(ValueError, match=named):
+            assisted_generate(model, ids, max_new_tokens=4, **kwargs)

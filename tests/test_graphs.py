@@ -149,7 +149,8 @@ def test_cpu_runs_eagerly_and_says_why_once(caplog):
 def pooled_on_cpu(monkeypatch):
     """Lift the device check so CPU models go through the pool; their captures fail as on a CPU-only build (also on
     a GPU box, where capturing CPU ops would record an empty graph)."""
-    monkeypatch.setattr(graphs, "no_graph_reason", lambda config, device: None)
+    device_check = graphs.no_graph_reason
+    monkeypatch.setattr(graphs, "no_graph_reason", lambda config, device: device_check(config, "cuda"))
 
     def no_cuda():
         raise RuntimeError("no CUDA graphs for a CPU model")
@@ -218,3 +219,37 @@ def test_a_new_bucket_frees_the_previous_one(pooled_on_cpu, monkeypatch):
     monkeypatch.setattr(VegasCache, "__init__", spy)
     model.generate(ids, **common, custom_generate="vegas", vegas_gamma=3)
     assert allocated == [True], "the gamma=0 cache was still alive when the gamma=3 one was built"
+
+
+def test_a_busy_pooled_cache_is_never_shared(pooled_on_cpu):
+    """A generation started while another holds the pooled cache (a streamer or thread calling generate) gets its
+    own cache, eagerly; the pool is untouched."""
+    model = tiny_model("llama")
+    config = VegasConfig(gamma=3)
+    with graphs.cache_for(model, 2, 100, config, "cpu", "torch") as (outer, outer_graphs):
+        with graphs.cache_for(model, 2, 100, config, "cpu", "torch") as (inner, inner_graphs):
+            assert inner is not outer and inner_graphs is None and outer_graphs is not None
+        assert graphs._POOL[model].busy
+    assert not graphs._POOL[model].busy
+    with graphs.cache_for(model, 2, 100, config, "cpu", "torch") as (again, _):
+        assert again is outer, "a finished generation hands the pooled cache back"
+
+
+def test_an_eager_generation_frees_an_idle_pooled_cache(pooled_on_cpu, monkeypatch):
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([30, 20])
+    common = dict(attention_mask=mask, max_new_tokens=8, pad_token_id=0, return_dict_in_generate=True)
+    pooled = weakref.ref(model.generate(ids, **common, custom_generate="vegas", vegas_gamma=3).past_key_values)
+    assert model in graphs._POOL
+    model.generate(ids, **common, custom_generate="vegas", vegas_gamma=3, vegas_cuda_graphs=False)
+    assert model not in graphs._POOL and pooled() is None
+
+
+def test_compile_without_graphs_warns_once(caplog):
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([30, 20])
+    with caplog.at_level(logging.WARNING, logger="hf_vegas"):
+        for _ in range(2):
+            _generate(model, ids, mask, vegas_gamma=3, vegas_compile=True, do_sample=False)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["vegas_compile=True has no effect: CUDA graphs need a CUDA device, the model is on cpu."]

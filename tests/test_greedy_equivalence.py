@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import hf_vegas
+from transformers import StoppingCriteria, StoppingCriteriaList
+
 from tiny_models import BUILDERS, ragged_batch, tiny_model
 
 # Long enough that the budget (8 of ~80 candidates) really drops tokens.
@@ -106,3 +108,27 @@ def test_custom_stopping_criterion_without_eos_keeps_decoding_finished_rows():
     expected = model.generate(ids, **common, stopping_criteria=criteria())
     out = model.generate(ids, **common, stopping_criteria=criteria(), custom_generate=hf_vegas.generate, vegas_gamma=4)
     assert torch.equal(out, expected)
+
+
+def test_rows_cut_by_a_criterion_keep_decoding_like_vanilla_without_eos():
+    """Without EOS, vanilla keeps decoding a row a stopping criterion cut (until every row stops). A cut inside an
+    accepted chunk must leave the cache and the pending token at the cut, not at the end of the chunk."""
+
+    class StopAtLength(StoppingCriteria):
+        def __init__(self, row, length):
+            self.row, self.length = row, length
+
+        def __call__(self, input_ids, scores, **kwargs):
+            stop = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            stop[self.row] = input_ids.shape[1] >= self.length
+            return stop
+
+    model = tiny_model("llama", seed=5)
+    model.generation_config.eos_token_id = None
+    ids, mask = ragged_batch([60, 45, 30], seed=5)
+    criteria = lambda: StoppingCriteriaList([StopAtLength(1, ids.shape[1] + 9), StopAtLength(0, ids.shape[1] + 30)])  # noqa: E731
+    common = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **common, stopping_criteria=criteria())
+    out = model.generate(ids, **common, stopping_criteria=criteria(), custom_generate="vegas", vegas_gamma=5,
+                         vegas_sparsity=1.0, vegas_min_tokens=1)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
