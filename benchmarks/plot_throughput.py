@@ -26,16 +26,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=Path, default=Path("benchmarks/results/throughput.jsonl"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.png"))
-    parser.add_argument("--commit", default=None, help="plot this commit's records (default: the newest)")
+    parser.add_argument("--commit", nargs="*", default=None, help="plot only these commits' records (default: all)")
     args = parser.parse_args()
     records = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
     if not records:
         raise SystemExit(f"{args.records} holds no records")
-    commit = args.commit or records[-1]["commit"]
-    latest = {}  # the last record of each measurement of this commit wins
+    latest = {}  # the last record of each measurement wins
     for r in records:
-        if r["commit"] == commit and "tokens_per_s" in r:
+        if (args.commit is None or r["commit"] in args.commit) and "tokens_per_s" in r:
             latest[(r["model"], r["decoding"], r["batch"], r["prompt_tokens"], r["method"])] = r
+    commit = ", ".join(sorted({r["commit"] for r in latest.values()}))
     panels = sorted({(m, d) for m, d, *_ in latest}, key=lambda p: (p[0] != "smollm2", p))
 
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
@@ -60,11 +60,11 @@ def main() -> None:
         ax.grid(alpha=0.3, axis="y")
     axes[0][0].legend(fontsize=7, loc="upper left")
     first = next(iter(latest.values()))
-    fig.suptitle(f"hf_vegas throughput, {first['gpu']}, bf16, commit {commit}; black tick: memory-traffic bound "
+    fig.suptitle(f"hf_vegas throughput, {first['gpu']}, bf16, commits {commit}; black tick: memory-traffic bound "
                  f"(read {first['read_bandwidth_GBps']:.0f} GB/s); hatched: projected", fontsize=9)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out} from {len(latest)} records of commit {commit}")
+    print(f"wrote {args.out} from {len(latest)} records (commits {commit})")
 
 
 if __name__ == "__main__":
