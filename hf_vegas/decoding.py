@@ -170,7 +170,7 @@ class _Loop:
             nxt = choose(self.drafter.pipeline(self.tokens, self.history, logits[:, -1]), self.do_sample)
             n, chunk = torch.zeros_like(nxt), nxt[:, None]
         else:
-            n, nxt, chunk = self._speculate()
+            n, chunk = self._speculate()
         keep = self._commit(chunk, n + 1, active)  # 0 for inactive rows
         # The pending token and the kept tokens before the last have exact KV; the last kept token is the next
         # pending one. Usually keep = n + 1 (the cache keeps the accepted drafts, `nxt` is pending); a row cut by a
@@ -181,7 +181,8 @@ class _Loop:
         return n
 
     def _speculate(self):
-        """Draft gamma tokens, verify them, accept. Returns `(n accepted, next token, chunk (B, gamma + 1))`."""
+        """Draft gamma tokens, verify them, accept. Returns `(n accepted, chunk (B, gamma + 1))`: the accepted drafts
+        then the target's next token at position n (later positions are unused)."""
         drafts, draft_scores = self.drafter.draft(self.pending, self.tokens, self.history, start=self.history_t)
         verify_ids = torch.cat([self.pending[:, None], drafts], dim=1)
         logits = self.drafter.forward(verify_ids, logits_to_keep=self.gamma + 1)  # `draft` prepared the verification
@@ -194,7 +195,7 @@ class _Loop:
             select_from_rows(self.cache, n)
         chunk = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
         chunk.scatter_(1, n[:, None], nxt[:, None])
-        return n, nxt, chunk
+        return n, chunk
 
     def _commit(self, chunk: torch.Tensor, chunk_len: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """Append each active row's chunk, cut where vanilla generate would have stopped. Returns the kept counts."""
