@@ -53,7 +53,7 @@ class VegasConfig:
         compile (`bool`, *optional*, defaults to `False`):
             `torch.compile` the draft, verify and decode forwards before capturing them (needs `cuda_graphs`): fuses
             each layer's norms, rotary embedding and activations, which otherwise run as hundreds of tiny kernels per
-            forward. Costs a compilation (tens of seconds) at the first call of each shape. Fused kernels may round
+            forward. Costs a compilation at the first calls of each step shape and batch. Fused kernels may round
             differently from eager ones in half precision (as any kernel change may); in fp32 the tokens match
             vanilla greedy (tested on the GPU).
     """
