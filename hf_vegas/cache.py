@@ -111,6 +111,7 @@ class VegasCache(Cache):
         self.row_index = torch.arange(batch_size, **long)
         self.lengths = torch.zeros(batch_size, **long)
         self.left_pad = torch.zeros(batch_size, **long)
+        self._left_pad_set = False
         self.verify_end = torch.zeros(batch_size, **long)
         self.verify_end_given = False
         # Per-forward layout, rebuilt at layer 0 of every forward and read by its layers only.
@@ -154,8 +155,9 @@ class VegasCache(Cache):
         self.mode = mode
         if left_pad is not None:
             self.left_pad.copy_(left_pad)
-        else:
+        elif self._left_pad_set:  # zeroed once after a padded prefill, not before every draft step
             self.left_pad.zero_()
+        self._left_pad_set = left_pad is not None
         self.verify_end_given = verify_end is not None
         if verify_end is not None:
             self.verify_end.copy_(verify_end)
