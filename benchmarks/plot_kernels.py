@@ -9,7 +9,6 @@ copy bandwidth, against the context length, with the issue's targets drawn in.
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -17,6 +16,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from results_io import read_records, save_figure  # noqa: E402  (benchmarks/ is the script's directory)
 
 OPS = {"draft": ("sparse draft", 0.70), "dense": ("dense decode", 0.75), "verify": ("verification", 0.75),
        "verify+scores(weights)": ("verification + weights", 0.75)}
@@ -28,9 +29,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.png"))
     parser.add_argument("--commit", default=None, help="plot this commit's records (default: the newest)")
     args = parser.parse_args()
-    records = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
-    if not records:
-        raise SystemExit(f"{args.records} holds no records")
+    records = read_records(args.records)
     commit = args.commit or records[-1]["commit"]
     records = [r for r in records if r["commit"] == commit and r["op"] in OPS]
     shapes = sorted({r["shape"] for r in records})
@@ -56,11 +55,9 @@ def main() -> None:
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     first = records[0]
-    fig.suptitle(f"hf_vegas kernels, {first['gpu']}, {first['dtype']}, commit {commit} "
-                 f"(copy {first['copy_bandwidth_GBps']:.0f} GB/s; dashed: target)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out} from {len(records)} records of commit {commit}")
+    save_figure(fig, args.out, f"hf_vegas kernels, {first['gpu']}, {first['dtype']}, commit {commit} "
+                f"(copy {first['copy_bandwidth_GBps']:.0f} GB/s; dashed: target)", 10,
+                f"{len(records)} records of commit {commit}")
 
 
 if __name__ == "__main__":

@@ -9,13 +9,14 @@ method's memory-traffic bound as a tick above its bar. Projected values (random-
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from results_io import read_records, save_figure  # noqa: E402  (benchmarks/ is the script's directory)
 
 COLORS = {"hf": "#9e9e9e", "dense": "#4c72b0", "streaming": "#dd8452", "vegas": "#55a868"}
 LABELS = {"hf": "HF static + compile", "dense": "hf_vegas dense (gamma 0)", "streaming": "streaming drafts",
@@ -28,9 +29,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.png"))
     parser.add_argument("--commit", nargs="*", default=None, help="plot only these commits' records (default: all)")
     args = parser.parse_args()
-    records = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
-    if not records:
-        raise SystemExit(f"{args.records} holds no records")
+    records = read_records(args.records)
     latest = {}  # the last record of each measurement wins
     for r in records:
         if (args.commit is None or r["commit"] in args.commit) and "tokens_per_s" in r:
@@ -60,11 +59,9 @@ def main() -> None:
         ax.grid(alpha=0.3, axis="y")
     axes[0][0].legend(fontsize=7, loc="upper left")
     first = next(iter(latest.values()))
-    fig.suptitle(f"hf_vegas throughput, {first['gpu']}, bf16, commits {commit}; black tick: memory-traffic bound "
-                 f"(read {first['read_bandwidth_GBps']:.0f} GB/s); hatched: projected", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out} from {len(latest)} records (commits {commit})")
+    save_figure(fig, args.out, f"hf_vegas throughput, {first['gpu']}, bf16, commits {commit}; black tick: "
+                f"memory-traffic bound (read {first['read_bandwidth_GBps']:.0f} GB/s); hatched: projected", 9,
+                f"{len(latest)} records (commits {commit})")
 
 
 if __name__ == "__main__":

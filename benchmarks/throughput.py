@@ -33,6 +33,7 @@ import traffic
 import workloads
 from gpu_timing import read_bandwidth
 from provenance import commit
+from results_io import read_records
 from step_timer import FirstTokenClock, IterationTimes
 
 METHODS = ("hf", "dense", "vegas", "streaming")
@@ -64,9 +65,9 @@ def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfi
     with timer.record():
         out = model.generate(ids, **common)
     accepted = out.accepted[out.accepted >= 0]
-    steps = hf_vegas.graphs._POOL.get(model)  # how the steps ran: captured graphs, or eagerly and why
-    graphs = dict(captures=steps.graphs.captures, replays=steps.graphs.replays,
-                  eager_reason=steps.graphs.disabled_reason) if steps else dict(eager_reason="not pooled")
+    steps = hf_vegas.graphs.pooled_graphs(model)  # how the steps ran: captured graphs, or eagerly and why
+    graphs = dict(captures=steps.captures, replays=steps.replays,
+                  eager_reason=steps.disabled_reason) if steps else dict(eager_reason="not pooled")
     return dict(graphs=graphs, decode_seconds=timer.decode_seconds(), step_ms=timer.median_ms()["wall"],
                 split_ms=timer.median_ms(), iterations=out.accepted.shape[1],
                 tokens_per_iteration=float((accepted + 1).float().mean()),
@@ -128,11 +129,9 @@ def main() -> None:
 
         texts = load_texts(args.data_files, args.text_column)
     records, loaded = [], (None, None, None)
-    if args.project_from:  # earlier real-model records, for the projections only (not re-written or re-printed)
-        lines = args.project_from.read_text().splitlines()
-        earlier = [r for r in map(json.loads, filter(None, lines)) if r["real_weights"] and "error" not in r]
-    else:
-        earlier = []
+    earlier = []  # earlier real-model records, for the projections only (not re-written or re-printed)
+    if args.project_from:
+        earlier = [r for r in read_records(args.project_from) if r["real_weights"] and "error" not in r]
     jobs = [(w, d, m) for w in plan for d in (args.decodings if w.real_weights else ["greedy"]) for m in args.methods]
     bar = tqdm(jobs, desc="throughput", dynamic_ncols=True, disable=args.no_progress)
     for workload, decoding, method in bar:

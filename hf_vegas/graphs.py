@@ -193,6 +193,12 @@ def cache_for(model, batch: int, capacity: int, config: VegasConfig, device, bac
         entry.busy = False
 
 
+def pooled_graphs(model) -> StepGraphs | None:
+    """The step graphs kept for `model` (their `captures`, `replays`, `disabled_reason`), or None."""
+    entry = _POOL.get(model)
+    return entry.graphs if entry is not None else None
+
+
 def _weights_fingerprint(model) -> tuple[int, ...]:
     """Addresses of every parameter and buffer: graphs read them, so moved weights (`.to`, reloading) need new ones."""
     return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))

@@ -33,7 +33,9 @@ def _generate(model, ids, mask, **kwargs):
 
 
 def _pooled_graphs(model) -> graphs.StepGraphs:
-    return graphs._POOL[model].graphs
+    steps = graphs.pooled_graphs(model)
+    assert steps is not None, "the generation should have pooled its cache and graphs"
+    return steps
 
 
 @needs_gpu
