@@ -129,6 +129,10 @@ class _Loop:
         self.history = [width] * batch
         self.generated = [0] * batch
         self.finished = [False] * batch
+        # Without EOS, vanilla stops the whole batch at the step where its last row first stops, and every row runs
+        # to that length. Rows here advance by chunks and may run past it: each row's count at its first stop is
+        # kept so the batch's length is vanilla's, not that of a row that ran ahead.
+        self.first_stop: list[int | None] = [None] * batch
         self.target_len: int | None = None  # set when every row has stopped but finished rows are not padded
 
     def run(self):
@@ -147,7 +151,7 @@ class _Loop:
     def _limit(self) -> int:
         """Tokens a row generates before it stops decoding (without EOS, finished rows go on to the longest row)."""
         if self.target_len is None and not self.stopper.has_eos and all(self.finished):
-            self.target_len = max(self.generated)
+            self.target_len = max(self.first_stop)
         return self.max_new if self.target_len is None else self.target_len
 
     def _active(self) -> list[bool]:
@@ -215,6 +219,8 @@ class _Loop:
         self.history = [h + k for h, k in zip(self.history, keep_host)]
         self.generated = [g + k for g, k in zip(self.generated, keep_host)]
         self.finished = [f or bool(s) for f, s in zip(self.finished, stopped_host)]
+        self.first_stop = [g if first is None and f else first
+                           for first, g, f in zip(self.first_stop, self.generated, self.finished)]
         return keep
 
     def _sequences(self, width: int) -> torch.Tensor:

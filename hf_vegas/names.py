@@ -20,15 +20,20 @@ SHORT_NAME = "vegas"
 
 def generate_from_name(model, **generate_arguments):
     """Full-replacement `generate` for `custom_generate="vegas"` and the Hub shim. Same arguments as `generate`."""
-    args = {k: v for k, v in generate_arguments.items() if v is not None}
-    if "assistant_model" in args:
+    # Every argument goes on as the user gave it: an explicit `None` (`eos_token_id=None`, `top_k=None`) overrides the
+    # model's generation config in vanilla `generate`, so dropping it would change the output. The named parameters
+    # of `generate` arrive as None when unset, which is their default anyway.
+    args = dict(generate_arguments)
+    if args.get("assistant_model") is not None:
         raise ValueError("hf_vegas drafts with the model itself: `assistant_model` cannot be combined with it.")
     tokenizer = args.pop("tokenizer", None)
     generation_config = args.get("generation_config")
-    stop_strings = args.pop("stop_strings", None)
-    if stop_strings is None:
+    if "stop_strings" in args:
+        stop_strings = args["stop_strings"]
+    else:
         stop_strings = (generation_config or model.generation_config).stop_strings
     if stop_strings:
+        args.pop("stop_strings", None)
         if tokenizer is None:
             raise ValueError("`stop_strings` needs the model's tokenizer: pass `tokenizer=` to `generate`.")
         # A custom_generate callable never receives `tokenizer`, so the stop-string criterion is built here.

@@ -95,3 +95,40 @@ def test_assisted_loop_refuses_what_it_cannot_do():
     for kwargs, named in ((dict(vegas_gamma=0), "vegas_gamma=0"), (dict(vegas_compile=True), "vegas_compile=True")):
         with pytest.raises(ValueError, match=named):
             assisted_generate(model, ids, max_new_tokens=4, **kwargs)
+
+
+def test_string_form_passes_explicit_none_and_falsy_arguments_unchanged(monkeypatch):
+    """An explicit `None` overrides the model's generation config in vanilla `generate` (`eos_token_id=None` turns
+    EOS off, `top_k=None` turns the default top-k of 50 off): the string form must hand every such value on."""
+    from hf_vegas import names
+
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([40, 25])
+    explicit = dict(eos_token_id=None, top_k=None, top_p=None, temperature=None, repetition_penalty=None,
+                    no_repeat_ngram_size=0, min_new_tokens=0, do_sample=False, output_scores=False,
+                    stop_strings=None, pad_token_id=0)
+    seen = {}
+    original = type(model).generate
+
+    def spy(self, *args, **kwargs):
+        seen.update(kwargs)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "generate", spy)
+    names.generate_from_name(model, input_ids=ids, attention_mask=mask, max_new_tokens=3, **explicit)
+    for key, value in explicit.items():
+        assert key in seen and seen[key] == value, key
+
+
+def test_string_form_with_eos_none_matches_vanilla():
+    model = tiny_model("llama", seed=4)
+    ids, mask = ragged_batch([50, 31], seed=4)
+    common = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    free = model.generate(ids, **common, eos_token_id=None)
+    # An EOS that row 0 emits early: with the generation config's EOS the rows would stop and pad.
+    model.generation_config.eos_token_id = int(free[0, ids.shape[1] + 2])
+    assert not torch.equal(model.generate(ids, **common), free)
+    expected = model.generate(ids, **common, eos_token_id=None)
+    assert torch.equal(expected, free)
+    for custom in ("vegas", hf_vegas.generate):
+        assert torch.equal(model.generate(ids, **common, eos_token_id=None, custom_generate=custom, **SPARSE), free)

@@ -132,3 +132,33 @@ def test_rows_cut_by_a_criterion_keep_decoding_like_vanilla_without_eos():
     out = model.generate(ids, **common, stopping_criteria=criteria(), custom_generate="vegas", vegas_gamma=5,
                          vegas_sparsity=1.0, vegas_min_tokens=1)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_batch_ends_where_its_last_row_first_stops_without_eos():
+    """Without EOS, vanilla's output ends at the step where the last row first stops; rows that stopped earlier
+    keep decoding real tokens up to there. Vegas rows that ran ahead in chunks must be cut back to that length."""
+
+    class StopRowAtLength(StoppingCriteria):
+        """Row b says stop once, when its history is exactly `lengths[b]` tokens long."""
+
+        def __init__(self, lengths):
+            self.lengths = lengths
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.tensor([input_ids.shape[1] == n for n in self.lengths])
+
+    model = tiny_model("qwen3", seed=5)
+    model.generation_config.eos_token_id = None
+    ids, mask = ragged_batch([70, 52, 33], seed=5)
+    # gamma 6 with a full budget accepts every draft: a row advances 7 tokens per iteration. Rows 0 and 1 stop at
+    # 3 and 5 new tokens and then run on in whole chunks (17 and 19 after three iterations); row 2 stops last, at 16,
+    # the first token of its third chunk, behind them.
+    stops = [3, 5, 16]
+    criteria = lambda: StoppingCriteriaList([StopRowAtLength([ids.shape[1] + n for n in stops])])  # noqa: E731
+    common = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **common, stopping_criteria=criteria())
+    assert expected.shape[1] == ids.shape[1] + max(stops)
+    for custom in (hf_vegas.generate, "vegas"):
+        out = model.generate(ids, **common, stopping_criteria=criteria(), custom_generate=custom, vegas_gamma=6,
+                             vegas_sparsity=1.0, vegas_min_tokens=1)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
