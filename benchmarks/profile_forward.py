@@ -1,10 +1,14 @@
-"""How many GPU kernels one eager draft forward of SmolLM2 launches, and where their time goes (torch.profiler).
+"""Where a Vegas iteration's GPU time and memory go: kernels per step kind (torch.profiler) and peak memory.
 
-    python benchmarks/profile_forward.py --batch 64 --prompt-tokens 7500
+    python benchmarks/profile_forward.py --batch 64 --prompt-tokens 7500 --compile          # graphs, as benchmarked
+    python benchmarks/profile_forward.py --eager                                            # every kernel launch
+    python benchmarks/profile_forward.py --random-weights --sample                          # no GGUF needed
 
-Runs a short Vegas generation on random token ids (eager steps, `vegas_cuda_graphs=False`), profiles the first draft
-forward of a second one, and prints the kernel count, their summed GPU time and the 25 costliest kernel names. This
-is what bounds a draft step when its memory traffic is small: every kernel costs a few microseconds, graph or not.
+Runs a warm-up generation (Triton compiles, graphs captured), then a second one in which the first draft forward,
+the first verify forward and the first acceptance are each profiled on their own (one replay when graphs are on:
+the profiler still sees every kernel of the graph). Prints, per step kind, the kernel count, the summed kernel time
+and the costliest kernel families; then the peak memory of each step kind and of whole dense (gamma = 0) and Vegas
+generations on the same batch. Random weights have SmolLM2-135M's shape: timing and memory only, no acceptance.
 """
 
 from __future__ import annotations
@@ -15,50 +19,114 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import hf_vegas  # noqa: F401  (registers custom_generate="vegas")
+import hf_vegas
+from hf_vegas import decoding
 from hf_vegas.candidate import VegasCandidateGenerator
-from hf_vegas.real_models import load_smollm2
+
+GiB = 2**30
+
+
+def load(random_weights: bool):
+    if not random_weights:
+        from hf_vegas.real_models import load_smollm2
+
+        return load_smollm2(torch.bfloat16, "cuda")[0]
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=16384,
+                         rope_theta=100000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def kernel_table(prof, top: int) -> str:
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    lines = [f"{len(kernels)} kernels, {sum(e.device_time for e in kernels) / 1e3:.3f} ms of kernel time"]
+    families = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        families[e.name[:70]][0] += 1
+        families[e.name[:70]][1] += e.device_time
+    for name, (count, micros) in sorted(families.items(), key=lambda item: -item[1][1])[:top]:
+        lines.append(f"  {count:5d} {micros / 1e3:8.3f} ms  {name}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=7500)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--random-weights", action="store_true", help="SmolLM2's shape, random bf16 weights")
+    parser.add_argument("--eager", action="store_true", help="vegas_cuda_graphs=False")
+    parser.add_argument("--compile", action="store_true", help="vegas_compile=True")
+    parser.add_argument("--sample", action="store_true", help="temperature 0.6, top-p 0.95 instead of greedy")
+    parser.add_argument("--top", type=int, default=12, help="kernel families listed per step kind")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/profile_forward.py needs a CUDA GPU.")
-    model, _ = load_smollm2(torch.bfloat16, "cuda")
+    model = load(args.random_weights)
     ids = torch.randint(100, 40000, (args.batch, args.prompt_tokens), device="cuda")
-    common = dict(max_new_tokens=16, do_sample=False, custom_generate="vegas", pad_token_id=0, vegas_cuda_graphs=False)
-    model.generate(ids, **common)  # warm-up: Triton compiles
+    decoding_args = dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=0) if args.sample else dict(do_sample=False)
+    common = dict(max_new_tokens=args.new_tokens, custom_generate="vegas", pad_token_id=0, eos_token_id=None,
+                  vegas_cuda_graphs=not args.eager, vegas_compile=args.compile, **decoding_args)
 
-    original = VegasCandidateGenerator.forward
-    profiles = []
-
-    def profiled(drafter, input_ids, logits_to_keep, mode=None, left_pad=None):
-        if mode != "draft" or profiles:
-            return original(drafter, input_ids, logits_to_keep, mode, left_pad)
+    peaks = {}
+    for name, gamma in (("dense", 0), ("vegas", 6)):
+        model.generate(ids, **common, vegas_gamma=gamma)  # warm-up: compile, capture
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            out = original(drafter, input_ids, logits_to_keep, mode, left_pad)
-            torch.cuda.synchronize()
-        profiles.append(prof)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model.generate(ids, **common, vegas_gamma=gamma)
+        torch.cuda.synchronize()
+        peaks[name] = (base, torch.cuda.max_memory_allocated())
+        if name == "dense":
+            hf_vegas.release_graphs(model)
+
+    # Profile one step of each kind in a third Vegas generation, and the peak memory of each step kind.
+    original_forward, original_iterate = VegasCandidateGenerator.forward, decoding._Loop._iterate
+    profiles, step_peaks = {}, defaultdict(float)
+
+    def forward(drafter, input_ids, logits_to_keep, mode=None, left_pad=None):
+        kind = mode or drafter.cache.mode
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        if kind in ("draft", "verify") and kind not in profiles:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                out = original_forward(drafter, input_ids, logits_to_keep, mode, left_pad)
+                torch.cuda.synchronize()
+            profiles[kind] = prof
+        else:
+            out = original_forward(drafter, input_ids, logits_to_keep, mode, left_pad)
+        torch.cuda.synchronize()
+        step_peaks[kind] = max(step_peaks[kind], torch.cuda.max_memory_allocated() / GiB)
         return out
 
-    VegasCandidateGenerator.forward = profiled
+    def iterate(loop, active):
+        if "iteration" in profiles:
+            return original_iterate(loop, active)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            n = original_iterate(loop, active)
+            torch.cuda.synchronize()
+        profiles["iteration"] = prof
+        return n
+
+    VegasCandidateGenerator.forward, decoding._Loop._iterate = forward, iterate
     try:
-        model.generate(ids, **common)
+        model.generate(ids, **common, vegas_gamma=6)
     finally:
-        VegasCandidateGenerator.forward = original
-    kernels = [e for e in profiles[0].events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    print(f"one draft forward, batch {args.batch} x {args.prompt_tokens}: {len(kernels)} kernels, "
-          f"{sum(e.device_time for e in kernels) / 1e3:.3f} ms of kernel time")
-    families = defaultdict(lambda: [0, 0.0])
-    for e in kernels:
-        families[e.name[:60]][0] += 1
-        families[e.name[:60]][1] += e.device_time
-    for name, (count, micros) in sorted(families.items(), key=lambda item: -item[1][1])[:25]:
-        print(f"{count:5d} {micros / 1e3:8.3f} ms  {name}")
+        VegasCandidateGenerator.forward, decoding._Loop._iterate = original_forward, original_iterate
+
+    print(f"batch {args.batch} x {args.prompt_tokens}, {'sampling' if args.sample else 'greedy'}, "
+          f"{'eager' if args.eager else 'graphs'}{' + compile' if args.compile else ''}")
+    for kind in ("draft", "verify", "iteration"):
+        print(f"\n== one {kind} (profiled{' with its warm-up of the profiler' if kind == 'iteration' else ''}):")
+        print(kernel_table(profiles[kind], args.top))
+    print("\npeak memory per step kind (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in step_peaks.items()))
+    for name, (base, peak) in peaks.items():
+        print(f"{name:>6} generation: {base / GiB:.2f} GiB allocated before, peak {peak / GiB:.2f} GiB")
 
 
 if __name__ == "__main__":
