@@ -33,7 +33,7 @@ class VegasCandidateGenerator(CandidateGenerator):
         self.model = model
         self.cache = cache
         self.gamma = cache.vegas_config.gamma
-        self.pipeline = LogitsPipeline(logits_processor)
+        self.pipeline = LogitsPipeline(logits_processor, kernels=cache.backend == "triton")
         self.do_sample = do_sample
         self.graphs = graphs
 

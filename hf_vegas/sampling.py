@@ -11,6 +11,7 @@ import torch
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
+    LogitsProcessor,
     LogitsProcessorList,
     MinPLogitsWarper,
     TemperatureLogitsWarper,
@@ -18,6 +19,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
+
+from .ops import backend
 
 # Warpers whose output depends on the scores only, never on `input_ids`.
 HISTORY_FREE = (
@@ -31,12 +34,34 @@ HISTORY_FREE = (
 )
 
 
-class LogitsPipeline:
-    """Applies a `LogitsProcessorList` to `(B, V)` logits given each row's history length in `tokens`."""
+class KernelTopP(LogitsProcessor):
+    """`TopPLogitsWarper` through the Triton threshold search (`hf_vegas_kernels.top_p`): the same kept set without
+    sorting the vocabulary, which costs more than a whole draft step at batch 64 (2 ms for 448 rows of 49K)."""
 
-    def __init__(self, processors: LogitsProcessorList | None):
-        self.processors = processors if processors is not None else LogitsProcessorList()
-        self.batched = all(isinstance(p, HISTORY_FREE) for p in self.processors)
+    def __init__(self, warper: TopPLogitsWarper):
+        self.top_p, self.filter_value = warper.top_p, warper.filter_value
+
+    def __call__(self, input_ids, scores: torch.Tensor) -> torch.Tensor:
+        return backend.kernels().top_p_filter(scores, self.top_p, self.filter_value)
+
+
+def _kernel_replaces(processor) -> bool:
+    return (isinstance(processor, TopPLogitsWarper) and processor.min_tokens_to_keep == 1
+            and 0.0 < processor.top_p < 1.0)
+
+
+class LogitsPipeline:
+    """Applies a `LogitsProcessorList` to `(B, V)` logits given each row's history length in `tokens`.
+
+    With `kernels=True` (the Triton backend), top-p filtering runs as `KernelTopP`.
+    """
+
+    def __init__(self, processors: LogitsProcessorList | None, kernels: bool = False):
+        processors = processors if processors is not None else LogitsProcessorList()
+        if kernels:
+            processors = LogitsProcessorList(KernelTopP(p) if _kernel_replaces(p) else p for p in processors)
+        self.processors = processors
+        self.batched = all(isinstance(p, (*HISTORY_FREE, KernelTopP)) for p in self.processors)
 
     def __call__(self, tokens: torch.Tensor, history: list[int], logits: torch.Tensor) -> torch.Tensor:
         # A copy in fp32, as vanilla generate does: some processors write into their input.

@@ -76,9 +76,10 @@ def test_triton_policies_match_reference_backend(policy, score):
 
 
 def test_triton_sampling_draws_the_same_tokens_as_reference_backend():
-    """Sampling uses the kernels' draft and target probabilities; with one seed both backends draw alike."""
+    """Sampling uses the kernels' draft and target probabilities and top-p filter; with one seed both backends draw
+    alike."""
     model, ids, mask = _on_device(tiny_model("qwen3", seed=3), *ragged_batch([60, 33], seed=3))
-    common = dict(attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=1.3, top_k=20,
+    common = dict(attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=1.3, top_k=20, top_p=0.9,
                   pad_token_id=0, custom_generate="vegas", vegas_gamma=3, **SPARSE)
     torch.manual_seed(7)
     torch_out = model.generate(ids, **common, vegas_backend="torch")

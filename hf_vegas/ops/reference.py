@@ -119,3 +119,13 @@ def streaming_select(sel_count: torch.Tensor, sel_end: torch.Tensor, k_max: int,
     sinks = torch.clamp(sel_count, max=sink)[:, None]
     recent = sel_end[:, None] - sel_count[:, None] + i
     return torch.where(i < sinks, i, recent).clamp_min(0)
+
+
+def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float("-inf")) -> torch.Tensor:
+    """transformers' `TopPLogitsWarper` rule with ties broken as a stable sort breaks them (lowest index removed
+    first; CUDA's radix sort is stable, the CPU sort promises nothing among ties). Returns a new `(N, V)` tensor."""
+    ascending, order = torch.sort(scores, descending=False, stable=True)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    removed = cumulative <= (1 - top_p)
+    removed[..., -1:] = False  # min_tokens_to_keep = 1
+    return scores.masked_fill(removed.scatter(1, order, removed), filter_value)

@@ -1,5 +1,6 @@
 """hf_vegas_kernels: the Triton kernels of hf_vegas (sparse draft attention, verification attention with fused
-Collect-2-Query logits, top-k selection). Each one reproduces an op of `hf_vegas.ops.reference`.
+Collect-2-Query logits, top-k selection,
+top-p filtering). Each one reproduces an op of `hf_vegas.ops.reference`.
 
 Installed with hf_vegas under this name, never as a top-level `kernels` module (that name is HF's `kernels` library).
 """
@@ -7,5 +8,7 @@ Installed with hf_vegas under this name, never as a top-level `kernels` module (
 from .ops import dense_attention, sparse_draft_attention, verify_attention
 from .scores import finalize_scores
 from .select import select_topk
+from .top_p import top_p_filter
 
-__all__ = ["dense_attention", "finalize_scores", "select_topk", "sparse_draft_attention", "verify_attention"]
+__all__ = ["dense_attention", "finalize_scores", "select_topk", "sparse_draft_attention", "top_p_filter",
+           "verify_attention"]

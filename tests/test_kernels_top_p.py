@@ -1,0 +1,82 @@
+"""Triton top-p filtering (threshold search, no sort) against the reference rule and transformers' own warper."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import TopPLogitsWarper
+
+from hf_vegas.ops import reference
+from kernel_cases import DEVICE
+
+kernels = pytest.importorskip("hf_vegas_kernels", reason="Triton is not installed on this platform")
+
+TOP_P = (0.02, 0.5, 0.9, 0.95, 0.999)
+
+
+def _rows(kind: str, vocab: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(13, vocab, generator=gen) * torch.linspace(0.5, 6.0, 13)[:, None]
+    if kind == "ties":  # bf16 logits upcast to fp32: many equal scores, also at the cut
+        scores = scores.to(torch.bfloat16).float()
+    elif kind == "masked":  # after a top-k warper: most of the row is -inf
+        scores[:, torch.randperm(vocab, generator=gen)[: vocab * 3 // 4]] = float("-inf")
+    elif kind == "one_token":
+        scores[:, 1:] = float("-inf")
+    return scores.to(DEVICE)
+
+
+def _filter(scores, top_p, poison):
+    # Every buffer the kernel allocates starts as NaN, so an unwritten entry shows.
+    poison(kernels.top_p)
+    return kernels.top_p_filter(scores, top_p)
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    def apply(module):
+        def nan_empty(*shape, dtype, device):
+            return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+        monkeypatch.setattr(module._launch, "empty", nan_empty)
+
+    return apply
+
+
+@pytest.mark.parametrize("kind", ["plain", "ties", "masked", "one_token"])
+@pytest.mark.parametrize("vocab", [301, 1000])
+def test_top_p_kernel_matches_the_stable_rule(kind, vocab, poison):
+    scores = _rows(kind, vocab, seed=vocab)
+    for top_p in TOP_P:
+        out = _filter(scores, top_p, poison)
+        expected = reference.top_p_filter(scores.cpu(), top_p)
+        torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0, equal_nan=False)
+
+
+def test_top_p_kernel_matches_transformers_warper_without_ties(poison):
+    scores = _rows("plain", 777, seed=1)
+    assert all(row.unique().numel() == row.numel() for row in scores), "this comparison needs distinct scores"
+    for top_p in TOP_P:
+        expected = TopPLogitsWarper(top_p)(None, scores.cpu().clone())
+        torch.testing.assert_close(_filter(scores, top_p, poison).cpu(), expected, rtol=0, atol=0)
+
+
+def test_top_p_kernel_keeps_a_custom_filter_value_and_refuses_bad_arguments():
+    scores = _rows("plain", 301, seed=2)
+    out = kernels.top_p_filter(scores, 0.5, filter_value=-123.0)
+    torch.testing.assert_close(out.cpu(), reference.top_p_filter(scores.cpu(), 0.5, -123.0), rtol=0, atol=0)
+    for bad in (0.0, 1.0):
+        with pytest.raises(ValueError, match="top_p"):
+            kernels.top_p_filter(scores, bad)
+    with pytest.raises(ValueError, match="fp32"):
+        kernels.top_p_filter(scores.half(), 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU versions above cover it")
+def test_top_p_kernel_at_a_real_vocabulary_on_the_gpu():
+    gen = torch.Generator().manual_seed(3)
+    scores = (torch.randn(448, 49152, generator=gen) * 4).to(torch.bfloat16).float().cuda()
+    for top_p in (0.5, 0.95):
+        expected = reference.top_p_filter(scores, top_p)  # CUDA's stable sort, same rule
+        mismatched = (kernels.top_p_filter(scores, top_p).isinf() != expected.isinf()).any(dim=1)
+        # fp32 sums in two orders: a row may differ only where a cumulative sum sits within rounding of 1 - top_p
+        assert int(mismatched.sum()) <= 2
