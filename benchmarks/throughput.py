@@ -45,6 +45,7 @@ def run_hf(model, ids, mask, new_tokens, decoding) -> dict:
     model.generate(ids, **common)  # compiles the decode step for this shape
     clock = FirstTokenClock()
     torch.manual_seed(0)
+    torch.cuda.reset_peak_memory_stats()
     out = model.generate(ids, **common, stopping_criteria=transformers.StoppingCriteriaList([clock]))
     torch.cuda.synchronize()
     seconds = time.perf_counter() - clock.first
@@ -53,7 +54,7 @@ def run_hf(model, ids, mask, new_tokens, decoding) -> dict:
     ran = dict(attn_implementation=model.config._attn_implementation,
                compiled=getattr(model, "_compiled_call", None) is not None)
     return dict(decode_seconds=seconds, step_ms=seconds / steps * 1e3, new_tokens=out.shape[1] - ids.shape[1],
-                hf=ran)
+                hf=ran, **_peak_memory())
 
 
 def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfig) -> dict:
@@ -62,6 +63,7 @@ def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfi
     model.generate(ids, **common)  # warm-up: Triton compiles, graphs captured (kept for the timed call)
     timer = IterationTimes()
     torch.manual_seed(0)
+    torch.cuda.reset_peak_memory_stats()
     with timer.record():
         out = model.generate(ids, **common)
     accepted = out.accepted[out.accepted >= 0]
@@ -71,7 +73,15 @@ def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfi
     return dict(graphs=graphs, decode_seconds=timer.decode_seconds(), step_ms=timer.median_ms()["wall"],
                 split_ms=timer.median_ms(), iterations=out.accepted.shape[1],
                 tokens_per_iteration=float((accepted + 1).float().mean()),
-                new_tokens=out.sequences.shape[1] - ids.shape[1])
+                new_tokens=out.sequences.shape[1] - ids.shape[1], **_peak_memory())
+
+
+def _peak_memory() -> dict:
+    """Peak GPU memory of the timed call (its prefill included; the weights and, for ours, the pooled cache that the
+    warm-up left are part of it) and what stays allocated after it."""
+    torch.cuda.synchronize()
+    return dict(peak_memory_GiB=torch.cuda.max_memory_allocated() / 2**30,
+                memory_after_GiB=torch.cuda.memory_allocated() / 2**30)
 
 
 def vegas_config(method: str, args) -> hf_vegas.VegasConfig:
@@ -202,7 +212,8 @@ def _projected_tpi(records, method, decoding, record) -> float:
 
 def print_table(records) -> None:
     print(f"\n{'workload':<24} {'decoding':<7} {'method':<9} {'tok/s':>9} {'step ms':>8} {'bound tok/s':>11} "
-          f"{'%bound':>6} {'tok/iter':>8} {'x hf':>6} {'x dense':>7}  split ms (draft/verify/accept/host)")
+          f"{'%bound':>6} {'tok/iter':>8} {'x hf':>6} {'x dense':>7} {'peak GiB':>8}  "
+          "split ms (draft/verify/accept/host)")
     for r in records:
         name = f"{r['model']}:{r['batch']}x{r['prompt_tokens']}"
         if "error" in r:
@@ -217,7 +228,7 @@ def print_table(records) -> None:
         print(f"{name:<24} {r['decoding']:<7} {r['method']:<9} {r['tokens_per_s']:>8.0f}{star} {r['step_ms']:>8.2f} "
               f"{r['bound_tokens_per_s']:>11.0f} {100 * r['fraction_of_bound']:>5.0f}% "
               f"{r.get('tokens_per_iteration', 1.0):>8.2f} {ratio.get('hf', float('nan')):>6.2f} "
-              f"{ratio.get('dense', float('nan')):>7.2f}  {parts}")
+              f"{ratio.get('dense', float('nan')):>7.2f} {r.get('peak_memory_GiB', float('nan')):>8.1f}  {parts}")
     print("* projected: measured iteration time x tokens per iteration of the real model (random weights)")
 
 

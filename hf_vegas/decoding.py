@@ -90,7 +90,10 @@ def generate(
         loop = _Loop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
                      generation_config, streamer)
         sequences, accepted = loop.run()
-    return _finish(sequences, VegasGenerateOutput(sequences=sequences, past_key_values=cache, accepted=accepted),
+    # A pooled cache (CUDA graphs) belongs to the pool: the next generate call of its bucket overwrites it, and an
+    # output that held it would keep gigabytes alive beside the next bucket's cache. Only an own cache is returned.
+    own_cache = cache if step_graphs is None else None
+    return _finish(sequences, VegasGenerateOutput(sequences=sequences, past_key_values=own_cache, accepted=accepted),
                    generation_config, streamer)
 
 

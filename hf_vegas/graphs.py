@@ -199,6 +199,12 @@ def pooled_graphs(model) -> StepGraphs | None:
     return entry.graphs if entry is not None else None
 
 
+def pooled_cache(model) -> VegasCache | None:
+    """The cache kept for `model`'s next generation of its bucket (outputs do not hold it), or None."""
+    entry = _POOL.get(model)
+    return entry.cache if entry is not None else None
+
+
 def _weights_fingerprint(model) -> tuple[int, ...]:
     """Addresses of every parameter and buffer: graphs read them, so moved weights (`.to`, reloading) need new ones."""
     return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))

@@ -101,8 +101,10 @@ def test_graphs_are_reused_across_calls_and_recaptured_when_weights_move():
     second_ids, second_mask = (t.cuda() for t in ragged_batch([66, 60], seed=2))  # same capacity bucket
     first = _generate(model, first_ids, first_mask, vegas_gamma=4, do_sample=False)
     steps = _pooled_graphs(model)
+    cache = graphs.pooled_cache(model)
     second = _generate(model, second_ids, second_mask, vegas_gamma=4, do_sample=False)
-    assert second.past_key_values is first.past_key_values and _pooled_graphs(model) is steps
+    assert graphs.pooled_cache(model) is cache and _pooled_graphs(model) is steps
+    assert first.past_key_values is None and second.past_key_values is None, "outputs never hold the pooled cache"
     assert steps.captures == 2, "the second call replays the first call's graphs"
     vanilla = model.generate(second_ids, attention_mask=second_mask, max_new_tokens=16, do_sample=False,
                              pad_token_id=0)
@@ -165,18 +167,19 @@ def test_pooled_cache_restarts_cleanly_and_a_failed_capture_falls_back(pooled_on
     second call fails, which must fall back to eager with one warning."""
     model = tiny_model("qwen3")
     prompts = [ragged_batch([70, 52], seed=1), ragged_batch([66, 60], seed=2)]
-    outputs = []
+    outputs, caches = [], []
     with caplog.at_level(logging.WARNING, logger="hf_vegas"):
         for ids, mask in prompts:
             outputs.append(_generate(model, ids, mask, vegas_gamma=4, do_sample=False))
-    assert outputs[1].past_key_values is outputs[0].past_key_values
-    assert outputs[0].past_key_values.capacity == graphs.CAPACITY_BUCKET
+            caches.append(graphs.pooled_cache(model))
+    assert caches[1] is caches[0] and all(out.past_key_values is None for out in outputs)
+    assert caches[0].capacity == graphs.CAPACITY_BUCKET
     for (ids, mask), out in zip(prompts, outputs):
         vanilla = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
         torch.testing.assert_close(out.sequences, vanilla, rtol=0, atol=0)
     assert len([r for r in caplog.records if "capturing the" in r.getMessage()]) == 1
-    cache = weakref.ref(outputs[0].past_key_values)
-    del outputs, out  # the loop variable holds the last output
+    cache = weakref.ref(caches[0])
+    del caches
     hf_vegas.release_graphs(model)
     assert model not in graphs._POOL and cache() is None, "released caches are freed"
 
@@ -210,7 +213,8 @@ def test_a_new_bucket_frees_the_previous_one(pooled_on_cpu, monkeypatch):
     model = tiny_model("llama")
     ids, mask = ragged_batch([30, 20])
     common = dict(attention_mask=mask, max_new_tokens=8, pad_token_id=0, return_dict_in_generate=True)
-    first = weakref.ref(model.generate(ids, **common, custom_generate="vegas", vegas_gamma=0).past_key_values)
+    model.generate(ids, **common, custom_generate="vegas", vegas_gamma=0)
+    first = weakref.ref(graphs.pooled_cache(model))
     allocated = []
     original = VegasCache.__init__
 
@@ -241,7 +245,8 @@ def test_an_eager_generation_frees_an_idle_pooled_cache(pooled_on_cpu, monkeypat
     model = tiny_model("llama")
     ids, mask = ragged_batch([30, 20])
     common = dict(attention_mask=mask, max_new_tokens=8, pad_token_id=0, return_dict_in_generate=True)
-    pooled = weakref.ref(model.generate(ids, **common, custom_generate="vegas", vegas_gamma=3).past_key_values)
+    model.generate(ids, **common, custom_generate="vegas", vegas_gamma=3)
+    pooled = weakref.ref(graphs.pooled_cache(model))
     assert model in graphs._POOL
     model.generate(ids, **common, custom_generate="vegas", vegas_gamma=3, vegas_cuda_graphs=False)
     assert model not in graphs._POOL and pooled() is None
