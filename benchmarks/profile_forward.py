@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="vegas_cuda_graphs=False")
     parser.add_argument("--compile", action="store_true", help="vegas_compile=True")
     parser.add_argument("--sample", action="store_true", help="temperature 0.6, top-p 0.95 instead of greedy")
+    parser.add_argument("--no-fuse", action="store_true", help="vegas_fuse_projections=False")
     parser.add_argument("--top", type=int, default=12, help="kernel families listed per step kind")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -70,7 +71,8 @@ def main() -> None:
     ids = torch.randint(100, 40000, (args.batch, args.prompt_tokens), device="cuda")
     decoding_args = dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=0) if args.sample else dict(do_sample=False)
     common = dict(max_new_tokens=args.new_tokens, custom_generate="vegas", pad_token_id=0, eos_token_id=None,
-                  vegas_cuda_graphs=not args.eager, vegas_compile=args.compile, **decoding_args)
+                  vegas_cuda_graphs=not args.eager, vegas_compile=args.compile,
+                  vegas_fuse_projections=not args.no_fuse, **decoding_args)
 
     peaks = {}
     for name, gamma in (("dense", 0), ("vegas", 6)):
@@ -125,7 +127,8 @@ def main() -> None:
         VegasCandidateGenerator.forward, decoding._Loop._iterate = original_forward, original_iterate
 
     print(f"batch {args.batch} x {args.prompt_tokens}, {'sampling' if args.sample else 'greedy'}, "
-          f"{'eager' if args.eager else 'graphs'}{' + compile' if args.compile else ''}")
+          f"{'eager' if args.eager else 'graphs'}{' + compile' if args.compile else ''}"
+          f"{'' if args.no_fuse else ', fused projections'}")
     for kind in ("draft", "verify", "iteration"):
         print(f"\n== one {kind}:")
         print(kernel_table(profiles[kind], args.top))

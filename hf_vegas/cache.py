@@ -23,6 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import VegasConfig
+from .ops import backend, reference
 
 MODES = ("prefill", "draft", "verify", "decode")  # "decode": one dense step of the gamma = 0 path, no selection
 
@@ -56,11 +57,9 @@ class VegasLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        slots = self.owner.write_slots  # (B, T), pads point at the scratch slot
-        rows = self.owner.row_index[:, None]
-        # (B, H, T, D) -> (B, T, H, D): advanced indexing on dims 0 and 1 writes whole tokens.
-        self.keys[rows, slots] = key_states.transpose(1, 2).to(self.keys.dtype)
-        self.values[rows, slots] = value_states.transpose(1, 2).to(self.values.dtype)
+        # (B, T) slots; pads point at the scratch slot
+        write = backend.kernels().write_kv if self.owner.backend == "triton" else reference.write_kv
+        write(self.keys, self.values, key_states, value_states, self.owner.write_slots)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:

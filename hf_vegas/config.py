@@ -56,6 +56,12 @@ class VegasConfig:
             forward. Costs a compilation at the first calls of each step shape and batch. Fused kernels may round
             differently from eager ones in half precision (as any kernel change may); in fp32 the tokens match
             vanilla greedy (tested on the GPU).
+        fuse_projections (`bool`, *optional*, defaults to `True`):
+            With the Triton backend, run each attention layer's q/k/v projections as one kernel and each standard
+            gated MLP's gate/up projections and activation as one kernel, in the steps of at most 512 rows (drafts,
+            decode and verify steps; prefills keep cuBLAS). The weights stay where they are; the model is restored
+            when `generate` returns (see `hf_vegas.fused_projections`). Like any kernel change, fp32 results equal
+            the unfused ones up to rounding.
     """
 
     gamma: int = 6
@@ -66,11 +72,12 @@ class VegasConfig:
     backend: str = "auto"
     cuda_graphs: bool = True
     compile: bool = False
+    fuse_projections: bool = True
 
     def __post_init__(self):
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 0:
             raise ValueError(f"`vegas_gamma` must be an integer >= 0 (0: no drafting), got {self.gamma!r}.")
-        for name in ("cuda_graphs", "compile"):
+        for name in ("cuda_graphs", "compile", "fuse_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`vegas_{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.compile and not self.cuda_graphs:

@@ -15,12 +15,15 @@ over the Vegas cache, kernels and graphs (the dense baseline the benchmarks comp
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import _compat, graphs, validation
 from .attention import active_cache, select_from_rows, vegas_attention
 from .candidate import VegasCandidateGenerator
 from .config import VegasConfig, resolve_config
+from .fused_projections import fused_projections
 from .ops import backend
 from .output import VegasGenerateOutput
 from .sampling import accept_greedy, accept_sampling, choose
@@ -45,6 +48,7 @@ def generate(
     vegas_backend: str | None = None,
     vegas_cuda_graphs: bool | None = None,
     vegas_compile: bool | None = None,
+    vegas_fuse_projections: bool | None = None,
     **model_kwargs,
 ):
     r"""
@@ -54,7 +58,7 @@ def generate(
     Args:
         vegas_config (`VegasConfig` or `dict`, *optional*): all Vegas settings at once.
         vegas_gamma, vegas_sparsity, vegas_min_tokens, vegas_score, vegas_policy, vegas_backend, vegas_cuda_graphs,
-            vegas_compile (*optional*):
+            vegas_compile, vegas_fuse_projections (*optional*):
             override single fields of `vegas_config` (see [`VegasConfig`]).
 
     Returns:
@@ -65,6 +69,7 @@ def generate(
         vegas_config, vegas_gamma=vegas_gamma, vegas_sparsity=vegas_sparsity, vegas_min_tokens=vegas_min_tokens,
         vegas_score=vegas_score, vegas_policy=vegas_policy, vegas_backend=vegas_backend,
         vegas_cuda_graphs=vegas_cuda_graphs, vegas_compile=vegas_compile,
+        vegas_fuse_projections=vegas_fuse_projections,
     )
     if streamer is None:
         # transformers does not forward `streamer` to custom_generate callables; take it from its generate call.
@@ -86,7 +91,9 @@ def generate(
     # that ended keep being drafted and verified, gamma + 1 slots further, until the whole batch ends.
     capacity = int(real_len.max()) + max_new + 2 * config.gamma + 1
     pooled = graphs.cache_for(model, input_ids.shape[0], capacity, config, input_ids.device, backend_name)
-    with pooled as (cache, step_graphs), vegas_attention(model), active_cache(cache):
+    fusing = backend_name == "triton" and config.fuse_projections
+    with (pooled as (cache, step_graphs), vegas_attention(model), active_cache(cache),
+          fused_projections(model) if fusing else contextlib.nullcontext()):
         loop = _Loop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
                      generation_config, streamer)
         sequences, accepted = loop.run()

@@ -129,3 +129,29 @@ def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float
     removed = cumulative <= (1 - top_p)
     removed[..., -1:] = False  # min_tokens_to_keep = 1
     return scores.masked_fill(removed.scatter(1, order, removed), filter_value)
+
+
+def write_kv(k_cache, v_cache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """`k_cache[b, slots[b, t]] = key[b, :, t]` (and values), in place. Caches `(B, S, H, D)`, `key` `(B, H, T, D)`."""
+    rows = torch.arange(key.shape[0], device=slots.device)[:, None]
+    # (B, H, T, D) -> (B, T, H, D): advanced indexing on dims 0 and 1 writes whole tokens.
+    k_cache[rows, slots] = key.transpose(1, 2).to(k_cache.dtype)
+    v_cache[rows, slots] = value.transpose(1, 2).to(v_cache.dtype)
+
+
+def grouped_linear(x: torch.Tensor, weights, biases=None) -> torch.Tensor:
+    """The outputs of several projections of one input, concatenated on the last dimension."""
+    biases = biases if biases is not None else [None] * len(weights)
+    return torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+
+
+GATED_ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+}
+
+
+def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: str) -> torch.Tensor:
+    """A gated MLP's first half: `act(x @ w_gate.T) * (x @ w_up.T)`."""
+    linear = torch.nn.functional.linear
+    return GATED_ACTIVATIONS[act](linear(x, w_gate)) * linear(x, w_up)

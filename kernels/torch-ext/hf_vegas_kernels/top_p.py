@@ -36,18 +36,20 @@ def _top_p_filter(
     Scores, Out, vocab, stride_s, stride_o, removed_mass, filter_value,
     BLOCK: tl.constexpr, THRESHOLDS: tl.constexpr,
 ):
+    # Every loop accumulates per lane and reduces once after it: a cross-warp reduction per block would cost more
+    # than the loads (they hit L2: a program re-reads its own row).
     row = tl.program_id(0).to(tl.int64)
     scores = Scores + row * stride_s
-    # softmax statistics
-    top = tl.full([], float("-inf"), tl.float32)
+    top_lanes = tl.full([BLOCK], float("-inf"), tl.float32)
     for v0 in range(0, vocab, BLOCK):
         i = v0 + tl.arange(0, BLOCK)
-        top = tl.maximum(top, tl.max(tl.load(scores + i, mask=i < vocab, other=float("-inf")), axis=0))
-    total = tl.zeros([], tl.float32)
+        top_lanes = tl.maximum(top_lanes, tl.load(scores + i, mask=i < vocab, other=float("-inf")))
+    top = tl.max(top_lanes, axis=0)
+    total_lanes = tl.zeros([BLOCK], tl.float32)
     for v0 in range(0, vocab, BLOCK):
         i = v0 + tl.arange(0, BLOCK)
-        total += tl.sum(tl.exp(tl.load(scores + i, mask=i < vocab, other=float("-inf")) - top), axis=0)
-    inv_total = 1.0 / total
+        total_lanes += tl.exp(tl.load(scores + i, mask=i < vocab, other=float("-inf")) - top)
+    inv_total = 1.0 / tl.sum(total_lanes, axis=0)
     # Smallest key t with G(t) > removed_mass; G(INT32_MAX) is the whole mass, so the answer lies in [lo, hi].
     lane = tl.arange(0, THRESHOLDS).to(tl.int64)
     lo = tl.full([], -2147483648, tl.int64)
@@ -56,27 +58,28 @@ def _top_p_filter(
         step = (hi - lo + THRESHOLDS) // THRESHOLDS
         threshold = tl.minimum(lo + lane * step, hi)
         threshold32 = threshold.to(tl.int32)
-        mass = tl.zeros([THRESHOLDS], tl.float32)
+        mass_lanes = tl.zeros([BLOCK, THRESHOLDS], tl.float32)
         for v0 in range(0, vocab, BLOCK):
             i = v0 + tl.arange(0, BLOCK)
             x = tl.load(scores + i, mask=i < vocab, other=float("-inf"))
             p = tl.exp(x - top) * inv_total
-            key = _ordered_key(x)
-            mass += tl.sum(tl.where(key[:, None] <= threshold32[None, :], p[:, None], 0.0), axis=0)
-        over = mass > removed_mass
+            mass_lanes += tl.where(_ordered_key(x)[:, None] <= threshold32[None, :], p[:, None], 0.0)
+        over = tl.sum(mass_lanes, axis=0) > removed_mass
         hi = tl.min(tl.where(over, threshold, hi), axis=0)
         lo = tl.max(tl.where(over, lo, threshold + 1), axis=0)
     cut = hi.to(tl.int32)
     # Mass strictly below the cut, and the probability of a token scored exactly at it.
-    below = tl.zeros([], tl.float32)
-    p_cut = tl.zeros([], tl.float32)
+    below_lanes = tl.zeros([BLOCK], tl.float32)
+    p_cut_lanes = tl.zeros([BLOCK], tl.float32)
     for v0 in range(0, vocab, BLOCK):
         i = v0 + tl.arange(0, BLOCK)
         x = tl.load(scores + i, mask=i < vocab, other=float("-inf"))
         p = tl.exp(x - top) * inv_total
         key = _ordered_key(x)
-        below += tl.sum(tl.where(key < cut, p, 0.0), axis=0)
-        p_cut = tl.maximum(p_cut, tl.max(tl.where(key == cut, p, 0.0), axis=0))
+        below_lanes += tl.where(key < cut, p, 0.0)
+        p_cut_lanes = tl.maximum(p_cut_lanes, tl.where(key == cut, p, 0.0))
+    below = tl.sum(below_lanes, axis=0)
+    p_cut = tl.max(p_cut_lanes, axis=0)
     ties_removed = tl.maximum(tl.floor((removed_mass - below) / p_cut), 0.0).to(tl.int32)
     out = Out + row * stride_o
     ties_seen = tl.zeros([], tl.int32)
@@ -103,7 +106,7 @@ def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float
     out = _launch.empty(*scores.shape, dtype=torch.float32, device=scores.device)
     # The warper compares the fp32 cumulative sums with 1 - top_p rounded to fp32: so does the kernel.
     removed_mass = float(torch.tensor(1.0 - top_p, dtype=torch.float32))
-    block = 1024 if scores.device.type == "cuda" else 256
+    block = 512 if scores.device.type == "cuda" else 256
     _top_p_filter[(scores.shape[0],)](
         scores, out, scores.shape[1], scores.stride(0), out.stride(0), removed_mass, float(filter_value),
         BLOCK=block, THRESHOLDS=_THRESHOLDS, num_warps=8,

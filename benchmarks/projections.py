@@ -1,0 +1,87 @@
+"""One-launch decode projections against cuBLAS: is `hf_vegas.fused_projections` worth it at this shape?
+
+    python benchmarks/projections.py                  # SmolLM2-135M and Qwen3-8B layer shapes, 64 and 448 rows
+
+Per (model shape, rows): one layer's q/k/v projections as three `F.linear` calls (cuBLAS) against one
+`qkv_linear` launch, and the gated MLP's gate/up/activation/product as three launches against one `gated_linear`,
+each timed as a replayed CUDA graph over enough weight copies to defeat L2 (median of 20 replays). Records go to
+--out (JSONL, with GPU, versions, commit); a table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import hf_vegas_kernels as kernels
+import torch
+import torch.nn.functional as F
+import triton
+
+from gpu_timing import graph_time
+from provenance import commit
+
+# (hidden, q out, kv out, intermediate): the projection shapes of one layer
+SHAPES = {"smollm2-135m": (576, 576, 192, 1536), "qwen3-8b": (4096, 4096, 1024, 12288)}
+L2_FLUSH_BYTES = 256 << 20
+
+
+def _copies(nbytes: int) -> int:
+    return max(1, -(-L2_FLUSH_BYTES // nbytes))
+
+
+def measure(shape: str, rows: int) -> dict:
+    hidden, q_out, kv_out, inter = SHAPES[shape]
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    attn_bytes = (q_out + 2 * kv_out) * hidden * 2
+    n = _copies(attn_bytes)
+    x = torch.randn(rows, hidden, **bf16)
+    qkv = [[torch.randn(o, hidden, **bf16) / 32 for o in (q_out, kv_out, kv_out)] for _ in range(n)]
+    mlp_n = _copies(2 * inter * hidden * 2)
+    mlp = [[torch.randn(inter, hidden, **bf16) / 32 for _ in range(2)] for _ in range(mlp_n)]
+
+    def separate_qkv(i):
+        return [F.linear(x, w) for w in qkv[i % n]]
+
+    def fused_qkv(i):
+        return kernels.qkv_linear(x, *qkv[i % n], None, None, None)
+
+    def separate_mlp(i):
+        gate, up = mlp[i % mlp_n]
+        return F.silu(F.linear(x, gate)) * F.linear(x, up)
+
+    def fused_mlp(i):
+        return kernels.gated_linear_op(x, *mlp[i % mlp_n], "silu")
+
+    want = torch.cat(separate_qkv(0), dim=-1).float()
+    error = (fused_qkv(0).float() - want).norm() / want.norm()
+    return dict(shape=shape, rows=rows, qkv_separate_us=graph_time(separate_qkv, n) * 1e6,
+                qkv_fused_us=graph_time(fused_qkv, n) * 1e6, mlp_separate_us=graph_time(separate_mlp, mlp_n) * 1e6,
+                mlp_fused_us=graph_time(fused_mlp, mlp_n) * 1e6, qkv_relative_error=float(error))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--rows", nargs="+", type=int, default=[64, 448])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/projections.jsonl"))
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/projections.py needs a CUDA GPU.")
+    base = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                commit=args.commit or commit(), dtype="bfloat16")
+    records = [dict(base, **measure(shape, rows)) for shape in args.shapes for rows in args.rows]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    print(f"{'shape':<14} {'rows':>5} {'qkv: 3 cuBLAS':>14} {'1 fused':>8} {'mlp: 3 launches':>16} {'1 fused':>8}  us")
+    for r in records:
+        print(f"{r['shape']:<14} {r['rows']:>5} {r['qkv_separate_us']:>14.1f} {r['qkv_fused_us']:>8.1f} "
+              f"{r['mlp_separate_us']:>16.1f} {r['mlp_fused_us']:>8.1f}   (qkv rel. error {r['qkv_relative_error']:.1e})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""One launch for a layer's q/k/v projections and one for its gate/up projections + activation, for one generation.
+
+A draft step of a small model at batch 64 is bound by its kernel count, not its bytes: SmolLM2's seven cuBLAS
+projections per layer take ~25 us of a ~60 us layer (`benchmarks/profile_forward.py`). Inside `fused_projections`
+the attention modules' `q_proj` computes q, k and v in one kernel (`hf_vegas_kernels.qkv_linear`) and `k_proj` /
+`v_proj` hand out their slices of it; a standard gated MLP (`down(act(gate(x)) * up(x))`) computes `act(gate) * up`
+in one kernel. The weights are read where they are (no fused copy, no extra memory) and the model is changed only
+by instance-level `forward` attributes, removed when the block exits, also on an exception. Forwards of more rows
+than `MAX_ROWS` (prefills) keep cuBLAS, which is faster there; so do layers whose weights are large enough for cuBLAS
+to reach the bandwidth (`MAX_WEIGHT_BYTES`), and modules with hooks or unknown shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+from torch import nn
+from torch.nn.functional import linear
+
+from .ops import backend
+
+# Rows (tokens x batch) up to which a forward uses the fused kernels: every draft, decode and verify step.
+MAX_ROWS = 512
+# The kernels pay where a projection is latency-bound, i.e. its weights are small. Measured on an H100
+# (`benchmarks/projections.py`, bf16): SmolLM2-135M's q/k/v (1.1 MB) 10.8 -> 5.4 us and gate/up (3.5 MB) 11.1 -> 9.3 us
+# at 64 rows; Qwen3-8B's (50 MB, 200 MB) no faster at 64 rows and up to 2x slower at 448, where cuBLAS reaches the
+# bandwidth. Above this many weight bytes per fused launch a layer keeps cuBLAS.
+MAX_WEIGHT_BYTES = 16 << 20
+
+# The forward of a standard gated MLP, whitespace removed (Llama, Mistral, Qwen2/3, Gemma-3 and their kin).
+_GATED_MLP_FORWARDS = (
+    "defforward(self,x):down_proj=self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))returndown_proj",
+    "defforward(self,x):returnself.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))",
+)
+_ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
+                "GELUPytorchTanh": "gelu_tanh"}
+
+
+def _plain_linears(*modules) -> bool:
+    """Exactly `nn.Linear` (no subclass: quantised layers), no hooks, no forward of their own, one dtype/device."""
+    return all(
+        type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks and "forward" not in vars(m)
+        for m in modules
+    ) and len({(m.weight.dtype, m.weight.device, m.in_features) for m in modules}) == 1
+
+
+def _small(*linears) -> bool:
+    return sum(m.weight.numel() * m.weight.element_size() for m in linears) <= MAX_WEIGHT_BYTES
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1]
+
+
+class _FusedQKV:
+    """The forwards that replace `q_proj`, `k_proj`, `v_proj` of one attention module."""
+
+    def __init__(self, q, k, v, op):
+        self.q, self.k, self.v, self.op = q, k, v, op
+        self.split = (q.out_features, q.out_features + k.out_features)
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, fused output) until v reads it
+
+    def q_forward(self, x):
+        if _rows(x) > MAX_ROWS:
+            return linear(x, self.q.weight, self.q.bias)
+        fused = self.op(x, self.q.weight, self.k.weight, self.v.weight, self.q.bias, self.k.bias, self.v.bias)
+        self.pending = (x, fused)
+        return fused[..., : self.split[0]]
+
+    def k_forward(self, x):
+        if self.pending is not None and self.pending[0] is x:
+            return self.pending[1][..., self.split[0] : self.split[1]]
+        return linear(x, self.k.weight, self.k.bias)
+
+    def v_forward(self, x):
+        if self.pending is not None and self.pending[0] is x:
+            out, self.pending = self.pending[1][..., self.split[1] :], None
+            return out
+        return linear(x, self.v.weight, self.v.bias)
+
+
+def _fuse_attention(module, kernels) -> list[nn.Module] | None:
+    projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+    if not _plain_linears(*projections) or len({p.bias is None for p in projections}) != 1:
+        return None
+    if not _small(*projections):
+        return None
+    if kernels.linear.block_n_for(*(p.out_features for p in projections)) is None:
+        return None
+    fused = _FusedQKV(*projections, kernels.qkv_linear)
+    for projection, forward in zip(projections, (fused.q_forward, fused.k_forward, fused.v_forward)):
+        projection.forward = forward
+    return projections
+
+
+def _gated_mlp_activation(module) -> str | None:
+    """The activation name if `module` is a standard gated MLP the kernel can run, else None."""
+    parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not _plain_linears(*parts[:2]) or parts[0].bias is not None or parts[1].bias is not None:
+        return None
+    if parts[0].out_features != parts[1].out_features or "forward" in vars(module):
+        return None
+    try:
+        source = "".join(inspect.getsource(type(module).forward).split())
+    except (OSError, TypeError):
+        return None
+    if source not in _GATED_MLP_FORWARDS:
+        return None
+    return _ACTIVATIONS.get(type(getattr(module, "act_fn", None)).__name__)
+
+
+def _fuse_mlp(module, kernels) -> list[nn.Module] | None:
+    act = _gated_mlp_activation(module)
+    if act is None or kernels.linear.block_n_for(module.gate_proj.out_features) is None:
+        return None
+    if not _small(module.gate_proj, module.up_proj):
+        return None
+    standard = type(module).forward
+
+    def forward(x):
+        if _rows(x) > MAX_ROWS:
+            return standard(module, x)
+        return module.down_proj(kernels.gated_linear_op(x, module.gate_proj.weight, module.up_proj.weight, act))
+
+    module.forward = forward
+    return [module]
+
+
+@contextlib.contextmanager
+def fused_projections(model):
+    """Run `model`'s attention and gated-MLP projections as one launch each inside the block (Triton backend).
+
+    Yields the number of attention modules and MLPs fused.
+    """
+    kernels = backend.kernels()
+    patched: list[nn.Module] = []
+    counts = {"attention": 0, "mlp": 0}
+    try:
+        for module in model.modules():
+            for kind, fuse in (("attention", _fuse_attention), ("mlp", _fuse_mlp)):
+                done = fuse(module, kernels)
+                if done:
+                    patched += done
+                    counts[kind] += 1
+        yield counts
+    finally:
+        for module in patched:
+            del module.forward  # the class's forward again

@@ -1,0 +1,101 @@
+"""One-launch decode projections: the kernels against the reference ops, and the model swap they need undone."""
+
+import pytest
+import torch
+
+from hf_vegas.fused_projections import MAX_ROWS, fused_projections
+from hf_vegas.ops import reference
+from kernel_cases import DEVICE
+from tiny_models import BUILDERS, tiny_model
+
+kernels = pytest.importorskip("hf_vegas_kernels", reason="Triton is not installed on this platform")
+
+
+def _assert_fp32_close(got, want):
+    # fp32 products summed in another order: a few ulps of the largest magnitude involved
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 40, 70])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_grouped_linear_matches_reference(rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).to(DEVICE)
+    weights = [torch.randn(n, 96, generator=gen).to(DEVICE) for n in (80, 48, 16)]
+    biases = [torch.randn(n, generator=gen).to(DEVICE) for n in (80, 48, 16)] if with_bias else None
+    _assert_fp32_close(kernels.grouped_linear(x, weights, biases), reference.grouped_linear(x, weights, biases))
+    _assert_fp32_close(kernels.qkv_linear(x, *weights, *(biases or [None] * 3)),
+                       reference.grouped_linear(x, weights, biases))
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_linear_matches_reference(act):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 96, generator=gen).to(DEVICE)
+    w_gate, w_up = (torch.randn(48, 96, generator=gen).to(DEVICE) / 8 for _ in range(2))
+    want = reference.gated_linear(x, w_gate, w_up, act)
+    other = reference.gated_linear(x, w_gate, w_up, "silu" if act == "gelu_tanh" else "gelu_tanh")
+    assert not torch.allclose(want, other), "the two activations must differ for this test to tell them apart"
+    _assert_fp32_close(kernels.gated_linear_op(x, w_gate, w_up, act), want)
+
+
+def test_linear_kernels_refuse_shapes_they_cannot_split():
+    x = torch.randn(3, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="share a block of 16"):
+        kernels.grouped_linear(x, [torch.randn(24, 32, device=DEVICE)])
+    with pytest.raises(ValueError, match="act must be one of"):
+        kernels.gated_linear(x, torch.randn(16, 32, device=DEVICE), torch.randn(16, 32, device=DEVICE), "relu")
+
+
+@pytest.mark.parametrize("arch", list(BUILDERS))
+def test_fused_forward_matches_and_the_model_is_restored(arch):
+    model = tiny_model(arch).to(DEVICE)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(1, 128, (3, 9), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits
+        with fused_projections(model) as counts:
+            got = model(ids).logits
+    assert counts == {"attention": layers, "mlp": layers}
+    _assert_fp32_close(got, expected)
+    assert not any("forward" in vars(m) for m in model.modules()), "every instance forward must be removed"
+
+
+def test_prefill_sized_forwards_keep_the_plain_projections(monkeypatch):
+    model = tiny_model("llama").to(DEVICE)
+    calls = []
+    monkeypatch.setattr(kernels, "qkv_linear", lambda *args: calls.append("qkv") or reference.grouped_linear(
+        args[0], args[1:4], None))
+    ids = torch.randint(1, 128, (1, MAX_ROWS + 1)).to(DEVICE)
+    with torch.no_grad(), fused_projections(model):
+        model(ids[:, :4])
+        assert calls == ["qkv"] * model.config.num_hidden_layers
+        model(ids)
+    assert calls == ["qkv"] * model.config.num_hidden_layers, "a prefill of more than MAX_ROWS rows uses cuBLAS"
+
+
+def test_the_model_is_restored_after_an_exception():
+    model = tiny_model("qwen3")
+    with pytest.raises(RuntimeError, match="inside"):
+        with fused_projections(model):
+            raise RuntimeError("inside")
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_hooked_and_unknown_modules_are_left_alone():
+    model = tiny_model("llama")
+    model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda *args: None)
+    model.model.layers[1].mlp.act_fn = torch.nn.ReLU()
+    with fused_projections(model) as counts:
+        assert counts == {"attention": 2, "mlp": 2}
+        assert "forward" not in vars(model.model.layers[0].self_attn.q_proj)
+        assert "forward" not in vars(model.model.layers[1].mlp)
+
+
+def test_layers_with_large_weights_keep_cublas(monkeypatch):
+    from hf_vegas import fused_projections as module
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(module, "MAX_WEIGHT_BYTES", 0)
+    with fused_projections(model) as counts:
+        assert counts == {"attention": 0, "mlp": 0}
