@@ -9,12 +9,12 @@ from kernel_cases import DEVICE
 
 kernels = pytest.importorskip("hf_vegas_kernels", reason="Triton is not installed on this platform")
 
-TOP_P = (0.02, 0.5, 0.9, 0.95, 0.999)
+TOP_P = (0.02, 0.9, 0.999)
 
 
 def _rows(kind: str, vocab: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    scores = torch.randn(13, vocab, generator=gen) * torch.linspace(0.5, 6.0, 13)[:, None]
+    scores = torch.randn(5, vocab, generator=gen) * torch.linspace(0.5, 6.0, 5)[:, None]
     if kind == "ties":  # bf16 logits upcast to fp32: many equal scores, also at the cut
         scores = scores.to(torch.bfloat16).float()
     elif kind == "masked":  # after a top-k warper: most of the row is -inf
@@ -25,7 +25,7 @@ def _rows(kind: str, vocab: int, seed: int) -> torch.Tensor:
 
 
 def _filter(scores, top_p, poison):
-    # Every buffer the kernel allocates starts as NaN, so an unwritten entry shows.
+    # Every buffer the kernels allocate starts as NaN (integers: junk), so an unwritten entry shows.
     poison(kernels.top_p)
     return kernels.top_p_filter(scores, top_p)
 
@@ -34,7 +34,8 @@ def _filter(scores, top_p, poison):
 def poison(monkeypatch):
     def apply(module):
         def nan_empty(*shape, dtype, device):
-            return torch.full(shape, float("nan"), dtype=dtype, device=device)
+            junk = float("nan") if dtype.is_floating_point else -(2**40)
+            return torch.full(shape, junk, dtype=dtype, device=device)
 
         monkeypatch.setattr(module._launch, "empty", nan_empty)
 
