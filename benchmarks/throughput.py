@@ -2,7 +2,9 @@
 
     python benchmarks/throughput.py                           # every default workload (below), greedy and sampling
     python benchmarks/throughput.py --workloads smollm2:64x7500 --decodings greedy
+    python benchmarks/throughput.py --sweep --compile         # the regime map: SmolLM2, batch x prompt grid
     python benchmarks/plot_throughput.py                      # README's PNG, from the JSONL
+    python benchmarks/plot_regime.py                          # the regime map's PNG
 
 Methods, on the same prompts in one process:
   hf         HF `generate` with a static cache (which makes it torch.compile the decode step; its fastest path)
@@ -105,10 +107,16 @@ def bound(model, workload, method, new_tokens, config, tokens_per_iteration, ban
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", default=list(workloads.DEFAULT_WORKLOADS),
-                        help=f"MODEL:BATCHxPROMPT_TOKENS, MODEL in {list(workloads.MODELS)}")
+    parser.add_argument("--workloads", nargs="+", default=None,
+                        help=f"MODEL:BATCHxPROMPT_TOKENS, MODEL in {list(workloads.MODELS)} (default: "
+                        f"{' '.join(workloads.DEFAULT_WORKLOADS)}; with --sweep: the regime grid)")
+    parser.add_argument("--sweep", action="store_true", help="the regime map: SmolLM2 at every --sweep-batches x "
+                        "--sweep-prompts, records marked for plot_regime.py (greedy unless --decodings says)")
+    parser.add_argument("--sweep-batches", nargs="+", type=int, default=[1, 4, 16, 64])
+    parser.add_argument("--sweep-prompts", nargs="+", type=int, default=[2000, 8000, 16000])
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    parser.add_argument("--decodings", nargs="+", choices=list(DECODINGS), default=list(DECODINGS))
+    parser.add_argument("--decodings", nargs="+", choices=list(DECODINGS), default=None,
+                        help="default: greedy and sample (with --sweep: greedy)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="real models")
     parser.add_argument("--shape-new-tokens", type=int, default=32, help="random-weight shapes (timing only)")
     parser.add_argument("--gamma", type=int, default=6)
@@ -126,6 +134,11 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/throughput.py needs a CUDA GPU.")
+    if args.workloads is None:
+        args.workloads = ([f"smollm2:{b}x{p}" for p in args.sweep_prompts for b in args.sweep_batches] if args.sweep
+                          else list(workloads.DEFAULT_WORKLOADS))
+    if args.decodings is None:
+        args.decodings = ["greedy"] if args.sweep else list(DECODINGS)
     plan = [workloads.parse_workload(w) for w in args.workloads]  # bad input fails before any GPU work
     plan.sort(key=lambda w: not w.real_weights)  # real models first: the projections need their tokens/iteration
 
@@ -156,7 +169,8 @@ def main() -> None:
         ids, mask = workloads.prompts(workload, tokenizer, texts)
         new_tokens = args.max_new_tokens if workload.real_weights else args.shape_new_tokens
         config = vegas_config(method, args) if method != "hf" else None
-        record = dict(base, model=workload.model, real_weights=workload.real_weights, batch=workload.batch,
+        record = dict(base, sweep=args.sweep, model=workload.model, real_weights=workload.real_weights,
+                      batch=workload.batch,
                       prompt_tokens=int(mask.sum(dim=1).max()), new_tokens=new_tokens, decoding=decoding,
                       method=method, config=config.to_dict() if config else {"cache_implementation": "static"})
         try:
@@ -170,6 +184,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         if "error" not in record:
             _add_throughput(record, model, workload, method, new_tokens, config, earlier + records, bandwidth)
+            _add_ratios(record, records)
         records.append(record)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as f:
@@ -195,6 +210,18 @@ def _add_throughput(record, model, workload, method, new_tokens, config, records
     record["fraction_of_bound"] = record["tokens_per_s"] / record["bound_tokens_per_s"]
 
 
+def _add_ratios(record, records) -> None:
+    """Speedups over HF and our dense path measured in this run, and the traffic model's over dense (the ratio of
+    the two bounds: what the bytes alone would allow at this workload and the measured tokens per iteration)."""
+    for other in records:
+        same = all(other.get(k) == record[k] for k in ("model", "batch", "prompt_tokens", "decoding"))
+        if not same or "tokens_per_s" not in other or other["method"] not in ("hf", "dense"):
+            continue
+        record[f"x_{other['method']}"] = record["tokens_per_s"] / other["tokens_per_s"]
+        if other["method"] == "dense":
+            record["predicted_x_dense"] = record["bound_tokens_per_s"] / other["bound_tokens_per_s"]
+
+
 def _projected_tpi(records, method, decoding, record) -> float:
     """Tokens per iteration of the same policy on the real model (largest batch), for a random-weight shape."""
     real = [r for r in records if r["real_weights"] and r["method"] == method and r["decoding"] == decoding
@@ -212,24 +239,23 @@ def _projected_tpi(records, method, decoding, record) -> float:
 
 def print_table(records) -> None:
     print(f"\n{'workload':<24} {'decoding':<7} {'method':<9} {'tok/s':>9} {'step ms':>8} {'bound tok/s':>11} "
-          f"{'%bound':>6} {'tok/iter':>8} {'x hf':>6} {'x dense':>7} {'peak GiB':>8}  "
+          f"{'%bound':>6} {'tok/iter':>8} {'x hf':>6} {'x dense':>7} {'pred.':>6} {'peak GiB':>8}  "
           "split ms (draft/verify/accept/host)")
     for r in records:
         name = f"{r['model']}:{r['batch']}x{r['prompt_tokens']}"
         if "error" in r:
             print(f"{name:<24} {r['decoding']:<7} {r['method']:<9} {r['error'][:60]}")
             continue
-        same = [o for o in records if o["model"] == r["model"] and o["batch"] == r["batch"]
-                and o["decoding"] == r["decoding"] and "tokens_per_s" in o]
-        ratio = {m: r["tokens_per_s"] / o["tokens_per_s"] for o in same for m in ("hf", "dense") if o["method"] == m}
+        nan = float("nan")
         split = r.get("split_ms", {})
         parts = "/".join(f"{split[k]:.2f}" for k in ("draft", "verify", "accept", "host")) if split else ""
         star = "*" if r.get("projected") else " "
         print(f"{name:<24} {r['decoding']:<7} {r['method']:<9} {r['tokens_per_s']:>8.0f}{star} {r['step_ms']:>8.2f} "
               f"{r['bound_tokens_per_s']:>11.0f} {100 * r['fraction_of_bound']:>5.0f}% "
-              f"{r.get('tokens_per_iteration', 1.0):>8.2f} {ratio.get('hf', float('nan')):>6.2f} "
-              f"{ratio.get('dense', float('nan')):>7.2f} {r.get('peak_memory_GiB', float('nan')):>8.1f}  {parts}")
-    print("* projected: measured iteration time x tokens per iteration of the real model (random weights)")
+              f"{r.get('tokens_per_iteration', 1.0):>8.2f} {r.get('x_hf', nan):>6.2f} {r.get('x_dense', nan):>7.2f} "
+              f"{r.get('predicted_x_dense', nan):>6.2f} {r.get('peak_memory_GiB', nan):>8.1f}  {parts}")
+    print("* projected: measured iteration time x tokens per iteration of the real model (random weights); "
+          "pred.: the traffic model's speedup over dense")
 
 
 if __name__ == "__main__":

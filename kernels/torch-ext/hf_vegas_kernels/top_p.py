@@ -11,7 +11,7 @@ and keeps the rest (at least one token: the highest-index one scored `t_c`). `t_
 over order-preserving int32 keys of the scores: each pass measures `G` at 16 thresholds and keeps the bracket that
 holds `t_c`, so 8 passes pin all 32 bits. Every pass is one launch of (row, chunk) programs: a row is spread over
 the whole GPU instead of one program re-reading it a dozen times (one program per row measured 1.3 ms for 448 rows
-of 49K on an H100, the sort 2.8 ms). A pass's programs each rebuild their row's bracket from the previous pass's
+of 49K on an H100, these launches 1.0 ms, the sort 2.8 ms). A pass's programs each rebuild their row's bracket from the previous pass's
 per-chunk masses, in the same order, so all of them agree; 11 launches in all, no host synchronisation.
 
 The cumulative sums are fp32 sums in another order than the sort's scan, so a token whose cumulative probability
@@ -28,8 +28,10 @@ from . import _launch
 
 THRESHOLDS = 16
 PASSES = 8  # 16 ** 8 = 2 ** 32 keys
-# Elements per program and per inner step; the CPU interpreter's are small so that tests cross chunk boundaries.
-TUNING = {"chunk": 2048, "block": 512, "num_warps": 4}
+# Elements per program and per inner step, from `benchmarks/top_p.py --sweep` on an H100 (64 and 448 rows of 49K and
+# 152K; results/top_p.jsonl): 164 us for 64 x 49K and 1.03 ms for 448 x 49K, against 455 us and 2.77 ms for the
+# warper's sort. The CPU interpreter's are small so that tests cross chunk boundaries.
+TUNING = {"chunk": 4096, "block": 256, "num_warps": 4}
 _CPU_TUNING = {"chunk": 256, "block": 128, "num_warps": 4}
 
 
