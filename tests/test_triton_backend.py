@@ -6,7 +6,7 @@ import torch
 
 from hf_vegas.ops.backend import resolve_backend
 from kernel_cases import DEVICE
-from tiny_models import BUILDERS, ragged_batch, tiny_model
+from tiny_models import BUILDERS, generation_cache, ragged_batch, tiny_model
 
 pytest.importorskip("hf_vegas_kernels", reason="Triton is not installed on this platform")
 
@@ -45,9 +45,10 @@ def test_triton_greedy_matches_vanilla(arch, shape, kernel_calls):
     expected = model.generate(ids, **common)
     out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=4, vegas_backend="triton",
                          return_dict_in_generate=True, **SPARSE)
-    assert out.past_key_values.backend == "triton"
+    cache = generation_cache(model, out)
+    assert cache.backend == "triton"
     torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
-    assert bool((out.past_key_values.sel_count < out.past_key_values.sel_end).all()), "the selection must drop tokens"
+    assert bool((cache.sel_count < cache.sel_end).all()), "the selection must drop tokens"
     assert kernel_calls["sparse_draft_attention"] > 0 and kernel_calls["verify_attention"] > 0
 
 

@@ -53,3 +53,10 @@ def ragged_batch(lengths: list[int], seed: int = 0, pad_id: int = 0):
     for row, length in enumerate(lengths):
         mask[row, width - length :] = 1
     return ids.masked_fill(mask == 0, pad_id), mask
+
+
+def generation_cache(model, out):
+    """The `VegasCache` a generation used: its own (returned in the output) or, with CUDA graphs, the pooled one."""
+    from hf_vegas import graphs
+
+    return out.past_key_values if out.past_key_values is not None else graphs.pooled_cache(model)
