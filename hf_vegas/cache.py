@@ -25,6 +25,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .config import VegasConfig
 from .ops import backend, reference
 
+# Forwards of at most this many tokens per row write their keys and values with the Triton kernel (Triton backend).
+KERNEL_WRITE_TOKENS = 64
 MODES = ("prefill", "draft", "verify", "decode")  # "decode": one dense step of the gamma = 0 path, no selection
 
 
@@ -57,8 +59,10 @@ class VegasLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        # (B, T) slots; pads point at the scratch slot
-        write = backend.kernels().write_kv if self.owner.backend == "triton" else reference.write_kv
+        # (B, T) slots; pads point at the scratch slot. Decode-sized forwards write with one kernel for K and V;
+        # a prefill (once per generation) keeps the two index_put kernels.
+        kernel = self.owner.backend == "triton" and key_states.shape[2] <= KERNEL_WRITE_TOKENS
+        write = backend.kernels().write_kv if kernel else reference.write_kv
         write(self.keys, self.values, key_states, value_states, self.owner.write_slots)
         return self.keys, self.values
 
