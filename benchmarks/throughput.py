@@ -75,7 +75,18 @@ def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfi
     return dict(graphs=graphs, decode_seconds=timer.decode_seconds(), step_ms=timer.median_ms()["wall"],
                 split_ms=timer.median_ms(), iterations=out.accepted.shape[1],
                 tokens_per_iteration=float((accepted + 1).float().mean()),
-                new_tokens=out.sequences.shape[1] - ids.shape[1], **_peak_memory())
+                new_tokens=out.sequences.shape[1] - ids.shape[1], **_peak_memory()), out.sequences
+
+
+def agreement(sequences: torch.Tensor, reference: torch.Tensor, prompt_width: int) -> dict:
+    """How far greedy tokens agree with another method's on the same prompts: bf16 kernels that round differently
+    (sparse drafts never change greedy tokens; verification and dense kernels may) let rows drift apart."""
+    new, ref = sequences[:, prompt_width:], reference[:, prompt_width:]
+    width = min(new.shape[1], ref.shape[1])
+    differs = new[:, :width] != ref[:, :width]
+    first = torch.where(differs.any(dim=1), differs.float().argmax(dim=1), width)
+    return dict(rows=int(new.shape[0]), identical_rows=int((first == width).sum()),
+                first_divergence=sorted(int(f) for f in first[first < width]), compared_tokens=width)
 
 
 def _peak_memory() -> dict:
@@ -152,6 +163,7 @@ def main() -> None:
 
         texts = load_texts(args.data_files, args.text_column)
     records, loaded = [], (None, None, None)
+    dense_tokens = {}  # greedy tokens of our dense path per workload, for the agreement of the speculative methods
     earlier = []  # earlier real-model records, for the projections only (not re-written or re-printed)
     if args.project_from:
         earlier = [r for r in read_records(args.project_from) if r["real_weights"] and "error" not in r]
@@ -178,7 +190,13 @@ def main() -> None:
                 hf_vegas.release_graphs()  # give HF the memory our cache held
                 record.update(run_hf(model, ids, mask, new_tokens, decoding))
             else:
-                record.update(run_ours(model, ids, mask, new_tokens, decoding, config))
+                measured, sequences = run_ours(model, ids, mask, new_tokens, decoding, config)
+                record.update(measured)
+                if decoding == "greedy" and method == "dense":
+                    dense_tokens[str(workload)] = sequences
+                elif decoding == "greedy" and str(workload) in dense_tokens:
+                    record["agreement_with_dense"] = agreement(sequences, dense_tokens[str(workload)], ids.shape[1])
+                del sequences
         except torch.OutOfMemoryError as error:
             record.update(error=f"OutOfMemoryError: {str(error).splitlines()[0]}")
             torch.cuda.empty_cache()
@@ -256,6 +274,11 @@ def print_table(records) -> None:
               f"{r.get('predicted_x_dense', nan):>6.2f} {r.get('peak_memory_GiB', nan):>8.1f}  {parts}")
     print("* projected: measured iteration time x tokens per iteration of the real model (random weights); "
           "pred.: the traffic model's speedup over dense")
+    for r in records:
+        if "agreement_with_dense" in r:
+            a = r["agreement_with_dense"]
+            print(f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['method']}: greedy tokens identical to dense in "
+                  f"{a['identical_rows']} of {a['rows']} rows; first divergences at new tokens {a['first_divergence']}")
 
 
 if __name__ == "__main__":
