@@ -32,7 +32,7 @@ def main() -> None:
     records = read_records(args.records)
     latest = {}  # the last record of each measurement wins
     for r in records:
-        if (args.commit is None or r["commit"] in args.commit) and "tokens_per_s" in r:
+        if (args.commit is None or r["commit"] in args.commit) and "tokens_per_s" in r and not r.get("sweep"):
             latest[(r["model"], r["decoding"], r["batch"], r["prompt_tokens"], r["method"])] = r
     commit = ", ".join(sorted({r["commit"] for r in latest.values()}))
     panels = sorted({(m, d) for m, d, *_ in latest}, key=lambda p: (p[0] != "smollm2", p))
