@@ -69,7 +69,8 @@ def main() -> None:
         raise SystemExit("benchmarks/profile_forward.py needs a CUDA GPU.")
     model = load(args.random_weights)
     ids = torch.randint(100, 40000, (args.batch, args.prompt_tokens), device="cuda")
-    decoding_args = dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=0) if args.sample else dict(do_sample=False)
+    sampling = dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=0)
+    decoding_args = sampling if args.sample else dict(do_sample=False)
     common = dict(max_new_tokens=args.new_tokens, custom_generate="vegas", pad_token_id=0, eos_token_id=None,
                   vegas_cuda_graphs=not args.eager, vegas_compile=args.compile,
                   vegas_fuse_projections=not args.no_fuse, **decoding_args)

@@ -11,16 +11,15 @@ each timed as a replayed CUDA graph over enough weight copies to defeat L2 (medi
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import hf_vegas_kernels as kernels
 import torch
 import torch.nn.functional as F
-import triton
 
 from gpu_timing import graph_time
-from provenance import commit
+from provenance import gpu_run
+from results_io import append_records
 
 # (hidden, q out, kv out, intermediate): the projection shapes of one layer
 SHAPES = {"smollm2-135m": (576, 576, 192, 1536), "qwen3-8b": (4096, 4096, 1024, 12288)}
@@ -70,17 +69,14 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/projections.py needs a CUDA GPU.")
-    base = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                commit=args.commit or commit(), dtype="bfloat16")
+    base = gpu_run(args.commit, dtype="bfloat16")
     records = [dict(base, **measure(shape, rows)) for shape in args.shapes for rows in args.rows]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
+    append_records(args.out, records)
     print(f"{'shape':<14} {'rows':>5} {'qkv: 3 cuBLAS':>14} {'1 fused':>8} {'mlp: 3 launches':>16} {'1 fused':>8}  us")
     for r in records:
         print(f"{r['shape']:<14} {r['rows']:>5} {r['qkv_separate_us']:>14.1f} {r['qkv_fused_us']:>8.1f} "
-              f"{r['mlp_separate_us']:>16.1f} {r['mlp_fused_us']:>8.1f}   (qkv rel. error {r['qkv_relative_error']:.1e})")
+              f"{r['mlp_separate_us']:>16.1f} {r['mlp_fused_us']:>8.1f}   "
+              f"(qkv rel. error {r['qkv_relative_error']:.1e})")
 
 
 if __name__ == "__main__":

@@ -13,3 +13,12 @@ def commit() -> str:
         ).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def gpu_run(commit_arg: str | None = None, **extra) -> dict:
+    """What every GPU benchmark record starts with: the GPU, the torch and Triton versions and the commit."""
+    import torch
+    import triton
+
+    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                commit=commit_arg or commit(), **extra)

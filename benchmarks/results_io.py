@@ -19,3 +19,12 @@ def save_figure(fig, path: Path, title: str, fontsize: int, what: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path} from {what}")
+
+
+def append_records(path: Path, records: list[dict]) -> None:
+    """Append JSON records to a JSONL file (made with its folder if missing)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")

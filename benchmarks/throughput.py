@@ -21,21 +21,19 @@ Every record (GPU, versions, commit, workload, config, times, bounds) is appende
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 import transformers
-import triton
 from tqdm.auto import tqdm
 
 import hf_vegas
 import traffic
 import workloads
 from gpu_timing import read_bandwidth
-from provenance import commit
-from results_io import read_records
+from provenance import gpu_run
+from results_io import append_records, read_records
 from step_timer import FirstTokenClock, IterationTimes
 
 METHODS = ("hf", "dense", "vegas", "streaming")
@@ -154,9 +152,8 @@ def main() -> None:
     plan.sort(key=lambda w: not w.real_weights)  # real models first: the projections need their tokens/iteration
 
     bandwidth = read_bandwidth()
-    base = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                transformers=transformers.__version__, hf_vegas=hf_vegas.__version__,
-                commit=args.commit or commit(), dtype="bfloat16", read_bandwidth_GBps=bandwidth / 1e9)
+    base = gpu_run(args.commit, transformers=transformers.__version__, hf_vegas=hf_vegas.__version__,
+                   dtype="bfloat16", read_bandwidth_GBps=bandwidth / 1e9)
     texts = None
     if any(w.real_weights for w in plan):
         from prompts import load_texts
@@ -204,9 +201,7 @@ def main() -> None:
             _add_throughput(record, model, workload, method, new_tokens, config, earlier + records, bandwidth)
             _add_ratios(record, records)
         records.append(record)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_records(args.out, [record])
     print_table(records)
 
 
@@ -278,7 +273,8 @@ def print_table(records) -> None:
         if "agreement_with_dense" in r:
             a = r["agreement_with_dense"]
             print(f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['method']}: greedy tokens identical to dense in "
-                  f"{a['identical_rows']} of {a['rows']} rows; first divergences at new tokens {a['first_divergence']}")
+                  f"{a['identical_rows']} of {a['rows']} rows; first divergences at new tokens "
+                  f"{a['first_divergence']}")
 
 
 if __name__ == "__main__":

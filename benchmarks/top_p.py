@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 from pathlib import Path
 
 import torch
-import triton
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from gpu_timing import graph_time
 from hf_vegas_kernels import top_p as top_p_kernel
-from provenance import commit
+from provenance import gpu_run
+from results_io import append_records
 
 SWEEP = {"chunk": [1024, 2048, 4096], "block": [256, 512], "num_warps": [4, 8]}
 
@@ -56,17 +55,13 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/top_p.py needs a CUDA GPU.")
-    base = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                commit=args.commit or commit())
+    base = gpu_run(args.commit)
     settings = [dict(top_p_kernel.TUNING)]
     if args.sweep:
         settings += [dict(zip(SWEEP, values)) for values in itertools.product(*SWEEP.values())]
     records = [dict(base, **measure(rows, vocab, args.top_p, tuning))
                for rows in args.rows for vocab in args.vocab for tuning in settings]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
+    append_records(args.out, records)
     print(f"{'rows':>5} {'vocab':>7} {'warper us':>10} {'kernel us':>10}  tuning  (rows whose kept set differs)")
     for r in records:
         print(f"{r['rows']:>5} {r['vocab']:>7} {r['warper_us']:>10.1f} {r['kernel_us']:>10.1f}  {r['tuning']}  "

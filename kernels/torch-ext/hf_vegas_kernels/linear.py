@@ -124,7 +124,9 @@ def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act:
     size = w_gate.shape[0]
     block_n = block_n_for(size)
     if block_n is None or w_up.shape[0] != size:
-        raise ValueError(f"gated_linear: gate and up must have one size, a multiple of 16; got {size}, {w_up.shape[0]}")
+        raise ValueError(
+            f"gated_linear: gate and up must have one size, a multiple of 16; got {size}, {w_up.shape[0]}"
+        )
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     out = _launch.empty(x2.shape[0], size, dtype=x.dtype, device=x.device)
