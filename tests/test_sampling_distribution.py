@@ -20,14 +20,14 @@ NEW_TOKENS = 3
 ROWS = 3000
 
 
-def exact_distribution(model, prompt):
+def exact_distribution(model, prompt, sampling=SAMPLING):
     """{token tuple: probability} of the next NEW_TOKENS tokens under vanilla sampling."""
     paths = {(): 1.0}
     for _ in range(NEW_TOKENS):
         prefixes = list(paths)
         ids = torch.cat([prompt.repeat(len(prefixes), 1), torch.tensor([list(p) for p in prefixes]).long()], dim=1)
         out = model.generate(ids, max_new_tokens=1, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
-                             **SAMPLING)
+                             **sampling)
         probs = torch.softmax(out.scores[0].double(), dim=-1)
         paths = {
             (*prefix, token): paths[prefix] * float(probs[row, token])
@@ -57,10 +57,10 @@ def chi_square_p_value(counts: dict, expected: dict, total: int) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def vegas_samples(model, prompt, **vegas):
+def vegas_samples(model, prompt, sampling=SAMPLING, **vegas):
     torch.manual_seed(1234)
     out = model.generate(prompt.repeat(ROWS, 1), max_new_tokens=NEW_TOKENS, pad_token_id=0,
-                         custom_generate=hf_vegas.generate, return_dict_in_generate=True, **SAMPLING, **vegas)
+                         custom_generate=hf_vegas.generate, return_dict_in_generate=True, **sampling, **vegas)
     counts = {}
     for row in out.sequences[:, prompt.shape[1]:].tolist():
         counts[tuple(row)] = counts.get(tuple(row), 0) + 1
@@ -101,3 +101,19 @@ def test_wrong_draft_probability_is_detected(setup, monkeypatch):
     p_value = chi_square_p_value(counts, expected, ROWS)
     print(f"control p={p_value:.3g}")
     assert p_value < 1e-6
+
+
+def test_sampling_with_a_repetition_penalty_matches_vanilla_distribution(setup):
+    """A history-dependent processor (each row's own history, processed per history length) before top-p, in a
+    batch of ROWS rows that accept different numbers of drafts."""
+    model, prompt, _ = setup
+    sampling = dict(SAMPLING, repetition_penalty=1.6)
+    expected = exact_distribution(model, prompt, sampling)
+    without = exact_distribution(model, prompt)
+    tv = 0.5 * sum(abs(expected.get(k, 0.0) - without.get(k, 0.0)) for k in set(expected) | set(without))
+    assert tv > 0.1, "the penalty must change the distribution for the test to see it applied"
+    counts, out = vegas_samples(model, prompt, sampling, **DRAFT)
+    p_value = chi_square_p_value(counts, expected, ROWS)
+    print(f"repetition penalty: p={p_value:.3g} tokens/iteration={out.tokens_per_iteration:.2f}")
+    assert len(set(out.accepted[:, 0].tolist())) > 1, "rows must accept different numbers of drafts"
+    assert p_value > 1e-3
