@@ -57,11 +57,11 @@ class VegasConfig:
             differently from eager ones in half precision (as any kernel change may); in fp32 the tokens match
             vanilla greedy (tested on the GPU).
         fuse_projections (`bool`, *optional*, defaults to `True`):
-            With the Triton backend, run each attention layer's q/k/v projections as one kernel and each standard
-            gated MLP's gate/up projections and activation as one kernel, in the steps of at most 512 rows (drafts,
-            decode and verify steps; prefills keep cuBLAS). The weights stay where they are; the model is restored
-            when `generate` returns (see `hf_vegas.fused_projections`). Like any kernel change, fp32 results equal
-            the unfused ones up to rounding.
+            With the Triton backend, draft steps (of at most 512 rows) run each attention layer's q/k/v projections
+            as one kernel and each standard gated MLP's gate/up projections and activation as one kernel, for layers
+            with small weights (where this beats cuBLAS). The verification and dense steps, which pick the tokens,
+            keep the model's own projections, so the output does not depend on this option. The weights stay where
+            they are; the model is restored when `generate` returns (see `hf_vegas.fused_projections`).
     """
 
     gamma: int = 6

@@ -91,9 +91,10 @@ def generate(
     # that ended keep being drafted and verified, gamma + 1 slots further, until the whole batch ends.
     capacity = int(real_len.max()) + max_new + 2 * config.gamma + 1
     pooled = graphs.cache_for(model, input_ids.shape[0], capacity, config, input_ids.device, backend_name)
-    fusing = backend_name == "triton" and config.fuse_projections
-    with (pooled as (cache, step_graphs), vegas_attention(model), active_cache(cache),
-          fused_projections(model) if fusing else contextlib.nullcontext()):
+    # one-launch projections in draft steps only: the steps that pick tokens keep the model's own projections
+    fusion = (fused_projections(model, active=lambda: cache.mode == "draft")
+              if backend_name == "triton" and config.fuse_projections else contextlib.nullcontext())
+    with pooled as (cache, step_graphs), vegas_attention(model), active_cache(cache), fusion:
         loop = _Loop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
                      generation_config, streamer)
         sequences, accepted = loop.run()

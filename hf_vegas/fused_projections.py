@@ -1,10 +1,12 @@
-"""One launch for a layer's q/k/v projections and one for its gate/up projections + activation, for one generation.
+"""One launch for a layer's q/k/v projections and one for its gate/up projections + activation, in draft steps.
 
 A draft step of a small model at batch 64 is bound by its kernel count, not its bytes: SmolLM2's seven cuBLAS
-projections per layer take ~25 us of a ~60 us layer (`benchmarks/profile_forward.py`). Inside `fused_projections`
-the attention modules' `q_proj` computes q, k and v in one kernel (`hf_vegas_kernels.qkv_linear`) and `k_proj` /
-`v_proj` hand out their slices of it; a standard gated MLP (`down(act(gate(x)) * up(x))`) computes `act(gate) * up`
-in one kernel. The weights are read where they are (no fused copy, no extra memory) and the model is changed only
+projections per layer take ~25 us of a ~60 us layer (`benchmarks/profile_forward.py`). Inside `fused_projections`,
+while `active()` says so (the generation loop: in draft steps), the attention modules' `q_proj` computes q, k and v
+in one kernel (`hf_vegas_kernels.qkv_linear`) and `k_proj` / `v_proj` hand out their slices of it; a standard gated
+MLP (`down(act(gate(x)) * up(x))`) computes `act(gate) * up` in one kernel. The kernels round differently from
+cuBLAS, which a draft may (it only decides how many tokens are accepted, never which), but the verification and
+dense steps, whose logits pick the tokens, must not: they keep the model's own projections. The weights are read where they are (no fused copy, no extra memory) and the model is changed only
 by instance-level `forward` attributes, removed when the block exits, also on an exception. Forwards of more rows
 than `MAX_ROWS` (prefills) keep cuBLAS, which is faster there; so do layers whose weights are large enough for cuBLAS
 to reach the bandwidth (`MAX_WEIGHT_BYTES`), and modules with hooks or unknown shapes.
@@ -39,9 +41,11 @@ _ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh
 
 
 def _plain_linears(*modules) -> bool:
-    """Exactly `nn.Linear` (no subclass: quantised layers), no hooks, no forward of their own, one dtype/device."""
+    """Exactly `nn.Linear` (no subclass: quantised layers), no hooks, no forward of their own, one dtype/device, and
+    weights (and biases) whose rows are contiguous, as the kernels read them."""
     return all(
         type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks and "forward" not in vars(m)
+        and m.weight.stride(-1) == 1 and (m.bias is None or m.bias.stride(-1) == 1)
         for m in modules
     ) and len({(m.weight.dtype, m.weight.device, m.in_features) for m in modules}) == 1
 
@@ -50,20 +54,23 @@ def _small(*linears) -> bool:
     return sum(m.weight.numel() * m.weight.element_size() for m in linears) <= MAX_WEIGHT_BYTES
 
 
-def _rows(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1]
+def _use_kernel(x: torch.Tensor, weight: torch.Tensor, active) -> bool:
+    """A draft-sized step in the weights' own dtype: anything else (a prefill, a verification, autocast, an input
+    that `nn.Linear` would refuse) runs the plain projection, with its own checks and casts."""
+    return (active() and x.numel() // x.shape[-1] <= MAX_ROWS and x.dtype == weight.dtype
+            and not torch.is_autocast_enabled(x.device.type))
 
 
 class _FusedQKV:
     """The forwards that replace `q_proj`, `k_proj`, `v_proj` of one attention module."""
 
-    def __init__(self, q, k, v, op):
-        self.q, self.k, self.v, self.op = q, k, v, op
+    def __init__(self, q, k, v, op, active):
+        self.q, self.k, self.v, self.op, self.active = q, k, v, op, active
         self.split = (q.out_features, q.out_features + k.out_features)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, fused output) until v reads it
 
     def q_forward(self, x):
-        if _rows(x) > MAX_ROWS:
+        if not _use_kernel(x, self.q.weight, self.active):
             return linear(x, self.q.weight, self.q.bias)
         fused = self.op(x, self.q.weight, self.k.weight, self.v.weight, self.q.bias, self.k.bias, self.v.bias)
         self.pending = (x, fused)
@@ -81,7 +88,7 @@ class _FusedQKV:
         return linear(x, self.v.weight, self.v.bias)
 
 
-def _fuse_attention(module, kernels) -> list[nn.Module] | None:
+def _fuse_attention(module, kernels, active) -> list[nn.Module] | None:
     projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
     if not _plain_linears(*projections) or len({p.bias is None for p in projections}) != 1:
         return None
@@ -89,7 +96,7 @@ def _fuse_attention(module, kernels) -> list[nn.Module] | None:
         return None
     if kernels.linear.block_n_for(*(p.out_features for p in projections)) is None:
         return None
-    fused = _FusedQKV(*projections, kernels.qkv_linear)
+    fused = _FusedQKV(*projections, kernels.qkv_linear, active)
     for projection, forward in zip(projections, (fused.q_forward, fused.k_forward, fused.v_forward)):
         projection.forward = forward
     return projections
@@ -111,7 +118,7 @@ def _gated_mlp_activation(module) -> str | None:
     return _ACTIVATIONS.get(type(getattr(module, "act_fn", None)).__name__)
 
 
-def _fuse_mlp(module, kernels) -> list[nn.Module] | None:
+def _fuse_mlp(module, kernels, active) -> list[nn.Module] | None:
     act = _gated_mlp_activation(module)
     if act is None or kernels.linear.block_n_for(module.gate_proj.out_features) is None:
         return None
@@ -120,7 +127,7 @@ def _fuse_mlp(module, kernels) -> list[nn.Module] | None:
     standard = type(module).forward
 
     def forward(x):
-        if _rows(x) > MAX_ROWS:
+        if not _use_kernel(x, module.gate_proj.weight, active):
             return standard(module, x)
         return module.down_proj(kernels.gated_linear_op(x, module.gate_proj.weight, module.up_proj.weight, act))
 
@@ -129,8 +136,9 @@ def _fuse_mlp(module, kernels) -> list[nn.Module] | None:
 
 
 @contextlib.contextmanager
-def fused_projections(model):
-    """Run `model`'s attention and gated-MLP projections as one launch each inside the block (Triton backend).
+def fused_projections(model, active=lambda: True):
+    """Run `model`'s attention and gated-MLP projections as one launch each inside the block (Triton backend), in the
+    forwards during which `active()` is true (it is asked in every projection call; with CUDA graphs, at capture).
 
     Yields the number of attention modules and MLPs fused.
     """
@@ -140,7 +148,7 @@ def fused_projections(model):
     try:
         for module in model.modules():
             for kind, fuse in (("attention", _fuse_attention), ("mlp", _fuse_mlp)):
-                done = fuse(module, kernels)
+                done = fuse(module, kernels, active)
                 if done:
                     patched += done
                     counts[kind] += 1

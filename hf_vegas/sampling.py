@@ -47,7 +47,7 @@ class KernelTopP(LogitsProcessor):
 
 def _kernel_replaces(processor) -> bool:
     return (isinstance(processor, TopPLogitsWarper) and processor.min_tokens_to_keep == 1
-            and 0.0 < processor.top_p < 1.0)
+            and backend.kernels().top_p.MIN_TOP_P <= processor.top_p < 1.0)
 
 
 class LogitsPipeline:

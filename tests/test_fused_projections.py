@@ -99,3 +99,46 @@ def test_layers_with_large_weights_keep_cublas(monkeypatch):
     monkeypatch.setattr(module, "MAX_WEIGHT_BYTES", 0)
     with fused_projections(model) as counts:
         assert counts == {"attention": 0, "mlp": 0}
+
+
+def test_only_draft_steps_use_the_fused_kernels(monkeypatch):
+    """Verification and dense steps pick the tokens: they keep the model's own projections (the kernels round
+    differently), so the output does not depend on the fusion."""
+    from hf_vegas.attention import _ACTIVE
+    from tiny_models import ragged_batch
+
+    modes = []
+    original = kernels.qkv_linear
+    monkeypatch.setattr(kernels, "qkv_linear", lambda *args: modes.append(_ACTIVE.get().mode) or original(*args))
+    model, (ids, mask) = tiny_model("qwen3").to(DEVICE), (t.to(DEVICE) for t in ragged_batch([30, 21]))
+    common = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, custom_generate="vegas",
+                  vegas_backend="triton", vegas_cuda_graphs=False)
+    fused = model.generate(ids, **common, vegas_gamma=3)
+    assert modes and set(modes) == {"draft"}
+    assert torch.equal(fused, model.generate(ids, **common, vegas_gamma=3, vegas_fuse_projections=False))
+    modes.clear()
+    model.generate(ids, **common, vegas_gamma=0)
+    assert modes == [], "the dense path never drafts"
+
+
+def test_inputs_the_kernels_cannot_take_run_the_plain_projections(monkeypatch):
+    model = tiny_model("llama").to(DEVICE)
+    calls = []
+    monkeypatch.setattr(kernels, "qkv_linear", lambda *args: calls.append(1) or reference.grouped_linear(
+        args[0], args[1:4], None))
+    ids = torch.randint(1, 128, (1, 4)).to(DEVICE)
+    with torch.no_grad():
+        with fused_projections(model, active=lambda: False):
+            model(ids)
+        assert calls == [], "inactive: the model's own projections"
+        with fused_projections(model):
+            attention = model.model.layers[0].self_attn
+            x = torch.randn(1, 4, 64, dtype=torch.float64, device=DEVICE)
+            with pytest.raises(RuntimeError):  # as nn.Linear does: float64 input, float32 weight
+                attention.q_proj(x)
+            assert calls == []
+    transposed = tiny_model("llama").to(DEVICE)
+    layer = transposed.model.layers[0].self_attn
+    layer.q_proj.weight = torch.nn.Parameter(layer.q_proj.weight.detach().t().contiguous().t())
+    with fused_projections(transposed) as counts:
+        assert counts["attention"] == transposed.config.num_hidden_layers - 1, "strided weights are left alone"

@@ -9,7 +9,7 @@ from kernel_cases import DEVICE
 
 kernels = pytest.importorskip("hf_vegas_kernels", reason="Triton is not installed on this platform")
 
-TOP_P = (0.02, 0.9, 0.999)
+TOP_P = (1e-3, 0.02, 0.9, 0.999)
 
 
 def _rows(kind: str, vocab: int, seed: int) -> torch.Tensor:
@@ -21,6 +21,10 @@ def _rows(kind: str, vocab: int, seed: int) -> torch.Tensor:
         scores[:, torch.randperm(vocab, generator=gen)[: vocab * 3 // 4]] = float("-inf")
     elif kind == "one_token":
         scores[:, 1:] = float("-inf")
+    elif kind == "signed_zeros":  # -0.0 and +0.0 are equal scores: ties broken by index, as the sort does
+        scores[:, : vocab // 2] -= 30.0
+        scores[:, ::7] = 0.0
+        scores[:, 3::14] = -0.0
     return scores.to(DEVICE)
 
 
@@ -42,7 +46,7 @@ def poison(monkeypatch):
     return apply
 
 
-@pytest.mark.parametrize("kind", ["plain", "ties", "masked", "one_token"])
+@pytest.mark.parametrize("kind", ["plain", "ties", "masked", "one_token", "signed_zeros"])
 @pytest.mark.parametrize("vocab", [301, 1000])
 def test_top_p_kernel_matches_the_stable_rule(kind, vocab, poison):
     scores = _rows(kind, vocab, seed=vocab)
@@ -50,6 +54,7 @@ def test_top_p_kernel_matches_the_stable_rule(kind, vocab, poison):
         out = _filter(scores, top_p, poison)
         expected = reference.top_p_filter(scores.cpu(), top_p)
         torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0, equal_nan=False)
+        assert bool((~out.isinf()).any(dim=1).all()), "every row keeps at least one token"
 
 
 def test_top_p_kernel_matches_transformers_warper_without_ties(poison):
@@ -64,7 +69,7 @@ def test_top_p_kernel_keeps_a_custom_filter_value_and_refuses_bad_arguments():
     scores = _rows("plain", 301, seed=2)
     out = kernels.top_p_filter(scores, 0.5, filter_value=-123.0)
     torch.testing.assert_close(out.cpu(), reference.top_p_filter(scores.cpu(), 0.5, -123.0), rtol=0, atol=0)
-    for bad in (0.0, 1.0):
+    for bad in (0.0, 1e-8, 1.0):  # tiny top_p: fp32 cannot tell 1 - top_p from the total mass; the warper keeps them
         with pytest.raises(ValueError, match="top_p"):
             kernels.top_p_filter(scores, bad)
     with pytest.raises(ValueError, match="fp32"):

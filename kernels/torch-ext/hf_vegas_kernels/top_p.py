@@ -26,6 +26,9 @@ import triton.language as tl
 
 from . import _launch
 
+# Below this, 1 - top_p rounds so close to 1 in fp32 that the fp32 sum of all probabilities may not pass it, and the
+# rule would keep no token (the warper's own scan keeps its last one): such tiny top_p stay with the warper.
+MIN_TOP_P = 1e-3
 THRESHOLDS = 16
 PASSES = 8  # 16 ** 8 = 2 ** 32 keys
 # Elements per program and per inner step, from `benchmarks/top_p.py --sweep` on an H100 (64 and 448 rows of 49K and
@@ -37,7 +40,8 @@ _CPU_TUNING = {"chunk": 256, "block": 128, "num_warps": 4}
 
 @triton.jit
 def _ordered_key(x):
-    bits = x.to(tl.int32, bitcast=True)
+    # + 0.0 turns -0.0 into +0.0: the sort ranks them as equal (ties broken by index), so must the keys
+    bits = (x + 0.0).to(tl.int32, bitcast=True)
     return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
@@ -173,10 +177,10 @@ def _write_filtered(
 
 
 def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float("-inf")) -> torch.Tensor:
-    """`TopPLogitsWarper(top_p, filter_value)(None, scores)` for fp32 `scores` `(N, V)` with `0 < top_p < 1`
+    """`TopPLogitsWarper(top_p, filter_value)(None, scores)` for fp32 `scores` `(N, V)` with `MIN_TOP_P <= top_p < 1`
     (and `min_tokens_to_keep=1`, which this rule always honours). Returns a new tensor."""
-    if not 0.0 < top_p < 1.0:
-        raise ValueError(f"top_p_filter needs 0 < top_p < 1, got {top_p}")
+    if not MIN_TOP_P <= top_p < 1.0:
+        raise ValueError(f"top_p_filter needs {MIN_TOP_P} <= top_p < 1, got {top_p}")
     if scores.dtype != torch.float32 or scores.dim() != 2:
         raise ValueError(f"top_p_filter takes fp32 (N, V) scores, got {scores.dtype} {tuple(scores.shape)}")
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
