@@ -18,6 +18,7 @@ from .attention import active_cache, vegas_attention
 from .cache import VegasCache
 from .candidate import VegasCandidateGenerator
 from .config import resolve_config
+from .fused_projections import in_draft_steps
 from .ops import backend
 
 
@@ -65,6 +66,7 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
         vegas_attention(model),
         active_cache(cache),
         _instance_override(model, "_get_candidate_generator", candidate_generator),
+        in_draft_steps(model, cache, backend_name == "triton" and config.fuse_projections),
     ):
         return model.generate(
             input_ids,

@@ -15,15 +15,13 @@ over the Vegas cache, kernels and graphs (the dense baseline the benchmarks comp
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from . import _compat, graphs, validation
 from .attention import active_cache, select_from_rows, vegas_attention
 from .candidate import VegasCandidateGenerator
 from .config import VegasConfig, resolve_config
-from .fused_projections import fused_projections
+from .fused_projections import in_draft_steps
 from .ops import backend
 from .output import VegasGenerateOutput
 from .sampling import accept_greedy, accept_sampling, choose
@@ -91,10 +89,9 @@ def generate(
     # that ended keep being drafted and verified, gamma + 1 slots further, until the whole batch ends.
     capacity = int(real_len.max()) + max_new + 2 * config.gamma + 1
     pooled = graphs.cache_for(model, input_ids.shape[0], capacity, config, input_ids.device, backend_name)
-    # one-launch projections in draft steps only: the steps that pick tokens keep the model's own projections
-    fusion = (fused_projections(model, active=lambda: cache.mode == "draft")
-              if backend_name == "triton" and config.fuse_projections else contextlib.nullcontext())
-    with pooled as (cache, step_graphs), vegas_attention(model), active_cache(cache), fusion:
+    fusing = backend_name == "triton" and config.fuse_projections
+    with (pooled as (cache, step_graphs), vegas_attention(model), active_cache(cache),
+          in_draft_steps(model, cache, fusing)):
         loop = _Loop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
                      generation_config, streamer)
         sequences, accepted = loop.run()

@@ -6,10 +6,12 @@ while `active()` says so (the generation loop: in draft steps), the attention mo
 in one kernel (`hf_vegas_kernels.qkv_linear`) and `k_proj` / `v_proj` hand out their slices of it; a standard gated
 MLP (`down(act(gate(x)) * up(x))`) computes `act(gate) * up` in one kernel. The kernels round differently from
 cuBLAS, which a draft may (it only decides how many tokens are accepted, never which), but the verification and
-dense steps, whose logits pick the tokens, must not: they keep the model's own projections. The weights are read where they are (no fused copy, no extra memory) and the model is changed only
-by instance-level `forward` attributes, removed when the block exits, also on an exception. Forwards of more rows
-than `MAX_ROWS` (prefills) keep cuBLAS, which is faster there; so do layers whose weights are large enough for cuBLAS
-to reach the bandwidth (`MAX_WEIGHT_BYTES`), and modules with hooks or unknown shapes.
+dense steps, whose logits pick the tokens, must not: they keep the model's own projections.
+
+The weights are read where they are (no fused copy, no extra memory) and the model is changed only by instance-level
+`forward` attributes, removed when the block exits, also on an exception. Forwards of more rows than `MAX_ROWS` keep
+cuBLAS, which is faster there; so do layers whose weights are large enough for cuBLAS to reach the bandwidth
+(`MAX_WEIGHT_BYTES`), inputs `nn.Linear` would cast or refuse, and modules with hooks or unknown shapes.
 """
 
 from __future__ import annotations
@@ -156,3 +158,10 @@ def fused_projections(model, active=lambda: True):
     finally:
         for module in patched:
             del module.forward  # the class's forward again
+
+
+def in_draft_steps(model, cache, enabled: bool):
+    """`fused_projections` for the forwards `cache` runs in its "draft" mode; a no-op context when not `enabled`."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return fused_projections(model, active=lambda: cache.mode == "draft")
