@@ -25,7 +25,7 @@ from torch.nn.functional import linear
 
 from .ops import backend
 
-# Rows (tokens x batch) up to which a forward uses the fused kernels: every draft, decode and verify step.
+# Rows (tokens x batch) up to which a draft forward uses the fused kernels (a draft's rows are its batch).
 MAX_ROWS = 512
 # The kernels pay where a projection is latency-bound, i.e. its weights are small. Measured on an H100
 # (`benchmarks/projections.py`, bf16): SmolLM2-135M's q/k/v (1.1 MB) 10.8 -> 5.4 us and gate/up (3.5 MB) 11.1 -> 9.3 us

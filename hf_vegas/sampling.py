@@ -36,7 +36,7 @@ HISTORY_FREE = (
 
 class KernelTopP(LogitsProcessor):
     """`TopPLogitsWarper` through the Triton threshold search (`hf_vegas_kernels.top_p`): the same kept set without
-    sorting the vocabulary, which costs more than a whole draft step at batch 64 (2 ms for 448 rows of 49K)."""
+    sorting the vocabulary (H100: 1.0 ms against the sort's 2.8 ms for a verification's 448 rows of 49K scores)."""
 
     def __init__(self, warper: TopPLogitsWarper):
         self.top_p, self.filter_value = warper.top_p, warper.filter_value
