@@ -7,16 +7,16 @@ import sys
 from transformers.generation.utils import GenerationMixin
 
 
-def streamer_from_generate_call():
-    """The `streamer` given to the enclosing `GenerationMixin.generate` call, if any.
+def generate_call_argument(name: str):
+    """The value of `name` (`streamer`, `synced_gpus`) in the enclosing `GenerationMixin.generate` call, if any.
 
     transformers (5.17 to 5.23) replaces the mode kwargs of a `custom_generate` callable by the callable's own extra
-    parameters, so a user's `streamer=` never reaches it. Without this lookup it would be silently ignored.
+    parameters, so a user's `streamer=` or `synced_gpus=` never reaches it. Without this lookup they would be
+    silently ignored.
     """
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "generate" and isinstance(frame.f_locals.get("self"), GenerationMixin):
-            return frame.f_locals.get("streamer")
+            return frame.f_locals.get(name)
         frame = frame.f_back
     return None
-

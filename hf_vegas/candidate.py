@@ -38,7 +38,8 @@ class VegasCandidateGenerator(CandidateGenerator):
         self.graphs = graphs
 
     def forward(self, input_ids: torch.Tensor, logits_to_keep: int, mode: str | None = None, left_pad=None):
-        """One model forward; positions continue each row's cache. Returns the kept logits.
+        """One model forward of `input_ids` (or, for a prefill, embeddings); positions continue each row's cache.
+        Returns the kept logits.
 
         `mode` declares the forward to the cache; `None` keeps what the cache was told last (after `draft`, the
         verification of its drafts). Draft, verify and decode forwards replay CUDA graphs when `graphs` is set;
@@ -52,8 +53,10 @@ class VegasCandidateGenerator(CandidateGenerator):
             position_ids = self.cache.lengths[:, None] + offsets[None, :]  # read on the device: graph-safe
             if left_pad is not None:
                 position_ids = (position_ids - left_pad[:, None]).clamp_min(0)
+            # A prefill may start from embeddings (`generate(inputs_embeds=...)`): `(B, T, hidden)` floats.
+            inputs = dict(inputs_embeds=ids) if ids.is_floating_point() else dict(input_ids=ids)
             out = self.model(
-                input_ids=ids,
+                **inputs,
                 position_ids=position_ids,
                 past_key_values=self.cache,
                 use_cache=True,

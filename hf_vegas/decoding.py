@@ -23,7 +23,7 @@ from .candidate import VegasCandidateGenerator
 from .config import VegasConfig, resolve_config
 from .fused_projections import in_draft_steps
 from .ops import backend
-from .output import VegasGenerateOutput
+from .output import StepRecorder, VegasGenerateOutput
 from .sampling import accept_greedy, accept_sampling, choose
 from .stopping import ChunkStopper
 
@@ -69,37 +69,49 @@ def generate(
         vegas_cuda_graphs=vegas_cuda_graphs, vegas_compile=vegas_compile,
         vegas_fuse_projections=vegas_fuse_projections,
     )
+    # transformers does not forward `streamer` or `synced_gpus` to custom_generate callables; take them from its
+    # generate call.
     if streamer is None:
-        # transformers does not forward `streamer` to custom_generate callables; take it from its generate call.
-        streamer = _compat.streamer_from_generate_call()
-    if synced_gpus:
+        streamer = _compat.generate_call_argument("streamer")
+    if synced_gpus or _compat.generate_call_argument("synced_gpus"):
         raise ValueError("hf_vegas does not support `synced_gpus=True` (multi-GPU ZeRO-3/FSDP generation).")
     validation.check_model(model)
-    validation.check_generation_config(generation_config)
+    validation.check_generation_config(generation_config, logits_processor)
     validation.check_model_kwargs(model_kwargs)
-    left_pad = validation.left_padding(input_ids, model_kwargs.get("attention_mask"))
+    # The prompt is `input_ids`, or `inputs_embeds` (then `input_ids` holds only what the history starts with,
+    # usually nothing, as in vanilla); a user's prefilled `past_key_values` covers its first `cached` positions.
+    inputs_embeds = model_kwargs.get("inputs_embeds")
+    prompt = input_ids if inputs_embeds is None else inputs_embeds[..., 0]
+    left_pad = validation.left_padding(prompt, model_kwargs.get("attention_mask"))
+    prefix = validation.prompt_cache(model_kwargs.get("past_key_values"), prompt.shape[1])
     validation.check_streamer(streamer, input_ids.shape[0])
     backend_name = backend.resolve_backend(config.backend, input_ids.device, model.dtype)
 
     max_new = generation_config.max_length - input_ids.shape[1]
     if max_new <= 0:
         return _finish(input_ids, None, generation_config, streamer)
-    real_len = input_ids.shape[1] - left_pad
+    real_len = prompt.shape[1] - left_pad
     # A row ends at most at prompt + max_new + gamma committed slots (it can stop inside its last chunk) and rows
     # that ended keep being drafted and verified, gamma + 1 slots further, until the whole batch ends.
     capacity = int(real_len.max()) + max_new + 2 * config.gamma + 1
     pooled = graphs.cache_for(model, input_ids.shape[0], capacity, config, input_ids.device, backend_name)
     fusing = backend_name == "triton" and config.fuse_projections
+    recorder = StepRecorder(
+        scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
+        logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
+    )
     with (pooled as (cache, step_graphs), vegas_attention(model), active_cache(cache),
           in_draft_steps(model, cache, fusing)):
         loop = _Loop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
-                     generation_config, streamer)
-        sequences, accepted = loop.run()
+                     generation_config, streamer, recorder)
+        sequences, accepted = loop.run(inputs_embeds, prefix)
+    scores, logits = recorder.tuples(sequences.shape[1] - input_ids.shape[1], generation_config._pad_token_tensor)
     # A pooled cache (CUDA graphs) belongs to the pool: the next generate call of its bucket overwrites it, and an
     # output that held it would keep gigabytes alive beside the next bucket's cache. Only an own cache is returned.
     own_cache = cache if step_graphs is None else None
-    return _finish(sequences, VegasGenerateOutput(sequences=sequences, past_key_values=own_cache, accepted=accepted),
-                   generation_config, streamer)
+    output = VegasGenerateOutput(sequences=sequences, scores=scores, logits=logits, past_key_values=own_cache,
+                                 accepted=accepted)
+    return _finish(sequences, output, generation_config, streamer)
 
 
 def _finish(sequences, output, generation_config, streamer):
@@ -107,7 +119,9 @@ def _finish(sequences, output, generation_config, streamer):
         streamer.end()
     if generation_config.return_dict_in_generate:
         if output is None:  # nothing to generate
-            output = VegasGenerateOutput(sequences=sequences, accepted=sequences.new_zeros(sequences.shape[0], 0))
+            empty = () if generation_config.output_scores else None
+            output = VegasGenerateOutput(sequences=sequences, accepted=sequences.new_zeros(sequences.shape[0], 0),
+                                         scores=empty, logits=() if generation_config.output_logits else None)
         return output
     return sequences
 
@@ -116,8 +130,8 @@ class _Loop:
     """Per-row state of one Vegas generation and the steps that advance it."""
 
     def __init__(self, model, cache, step_graphs, input_ids, left_pad, max_new, processors, stopping_criteria,
-                 gen_config, streamer):
-        self.cache, self.streamer = cache, streamer
+                 gen_config, streamer, recorder: StepRecorder):
+        self.cache, self.streamer, self.recorder = cache, streamer, recorder
         self.gamma = cache.vegas_config.gamma
         self.do_sample = bool(gen_config.do_sample)
         self.drafter = VegasCandidateGenerator(model, cache, processors, self.do_sample, graphs=step_graphs)
@@ -143,12 +157,23 @@ class _Loop:
         self.first_stop: list[int | None] = [None] * batch
         self.target_len: int | None = None  # set when every row has stopped but finished rows are not padded
 
-    def run(self):
-        logits = self.drafter.forward(self.input_ids, logits_to_keep=1, mode="prefill", left_pad=self.left_pad)
-        first = choose(self.drafter.pipeline(self.tokens, self.history, logits[:, -1]), self.do_sample)
+    def run(self, inputs_embeds=None, prefix=None):
+        """Prefill (from `inputs_embeds` instead of `input_ids` if given, after the positions a user's `prefix` cache
+        holds), then iterate until every row has stopped. Returns `(sequences, accepted per iteration)`."""
+        prompt = self.input_ids if inputs_embeds is None else inputs_embeds
+        cached = 0
+        if prefix is not None:
+            cached = prefix.get_seq_length()
+            self.cache.load_prefix(prefix, self.left_pad)
+        remaining_pad = (self.left_pad - cached).clamp_min(0)
+        logits = self.drafter.forward(prompt[:, cached:], logits_to_keep=1, mode="prefill", left_pad=remaining_pad)
+        scores = self.drafter.pipeline(self.tokens, self.history, logits[:, -1])
+        first = choose(scores, self.do_sample)
         self.pending = first
         everyone = torch.ones(first.shape[0], dtype=torch.bool, device=first.device)
         self._commit(first[:, None], torch.ones_like(first), everyone)
+        if self.recorder.active:
+            self.recorder.add(scores[:, None], logits[:, -1:], self.kept)
         accepted = []
         while any(self._active()):
             active = self._active_on_device()
@@ -179,11 +204,14 @@ class _Loop:
         committed = cache.lengths.clone()
         if gamma == 0:  # dense decoding: one token, picked exactly as vanilla picks it
             logits = self.drafter.forward(self.pending[:, None], logits_to_keep=1, mode="decode")
-            nxt = choose(self.drafter.pipeline(self.tokens, self.history, logits[:, -1]), self.do_sample)
-            n, chunk = torch.zeros_like(nxt), nxt[:, None]
+            scores = self.drafter.pipeline(self.tokens, self.history, logits[:, -1])
+            nxt = choose(scores, self.do_sample)
+            n, chunk, scores, logits = torch.zeros_like(nxt), nxt[:, None], scores[:, None], logits[:, -1:]
         else:
-            n, chunk = self._speculate()
+            n, chunk, scores, logits = self._speculate()
         keep = self._commit(chunk, n + 1, active)  # 0 for inactive rows
+        if self.recorder.active:
+            self.recorder.add(scores, logits, self.kept)
         # The pending token and the kept tokens before the last have exact KV; the last kept token is the next
         # pending one. Usually keep = n + 1 (the cache keeps the accepted drafts, `nxt` is pending); a row cut by a
         # stopping criterion that goes on decoding (no EOS) resumes right after the cut, as vanilla does.
@@ -193,8 +221,9 @@ class _Loop:
         return n
 
     def _speculate(self):
-        """Draft gamma tokens, verify them, accept. Returns `(n accepted, chunk (B, gamma + 1))`: the accepted drafts
-        then the target's next token at position n (later positions are unused)."""
+        """Draft gamma tokens, verify them, accept. Returns `(n accepted, chunk (B, gamma + 1), target scores, target
+        logits)`: the chunk holds the accepted drafts then the target's next token at position n (later positions
+        are unused); the scores and logits `(B, gamma + 1, V)` are the verification's at each chunk position."""
         drafts, draft_scores = self.drafter.draft(self.pending, self.tokens, self.history, start=self.history_t)
         verify_ids = torch.cat([self.pending[:, None], drafts], dim=1)
         logits = self.drafter.forward(verify_ids, logits_to_keep=self.gamma + 1)  # `draft` prepared the verification
@@ -207,7 +236,7 @@ class _Loop:
             select_from_rows(self.cache, n)
         chunk = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
         chunk.scatter_(1, n[:, None], nxt[:, None])
-        return n, chunk
+        return n, chunk, target_scores, logits
 
     def _commit(self, chunk: torch.Tensor, chunk_len: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """Append each active row's chunk, cut where vanilla generate would have stopped. Returns the kept counts."""
@@ -229,6 +258,7 @@ class _Loop:
         self.finished = [f or bool(s) for f, s in zip(self.finished, stopped_host)]
         self.first_stop = [g if first is None and f else first
                            for first, g, f in zip(self.first_stop, self.generated, self.finished)]
+        self.kept = keep_host
         return keep
 
     def _sequences(self, width: int) -> torch.Tensor:

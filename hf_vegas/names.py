@@ -26,26 +26,46 @@ def generate_from_name(model, **generate_arguments):
     args = dict(generate_arguments)
     if args.get("assistant_model") is not None:
         raise ValueError("hf_vegas drafts with the model itself: `assistant_model` cannot be combined with it.")
+    if args.get("cache_implementation") == "paged":  # vanilla would hand the call to its continuous batching
+        raise ValueError("`cache_implementation='paged'` (continuous batching) is not supported by hf_vegas.")
+    # A custom_generate callable never receives `tokenizer`, so what needs it happens here: token healing (before
+    # the loop, as vanilla heals before it decodes) and the stop-string criterion.
     tokenizer = args.pop("tokenizer", None)
-    generation_config = args.get("generation_config")
-    if "stop_strings" in args:
-        stop_strings = args["stop_strings"]
-    else:
-        stop_strings = (generation_config or model.generation_config).stop_strings
+    if _setting(model, args, "token_healing"):
+        if tokenizer is None:
+            raise ValueError("`token_healing=True` needs the model's tokenizer: pass `tokenizer=` to `generate`.")
+        key = "input_ids" if args.get("input_ids") is not None else "inputs"
+        if args.get(key) is None:
+            raise ValueError("`token_healing=True` heals token ids: pass `input_ids`, not `inputs_embeds`.")
+        args[key] = model.heal_tokens(args[key], tokenizer)
+        _switch_off(model, args, "token_healing", False)
+    stop_strings = _setting(model, args, "stop_strings")
     if stop_strings:
-        args.pop("stop_strings", None)
         if tokenizer is None:
             raise ValueError("`stop_strings` needs the model's tokenizer: pass `tokenizer=` to `generate`.")
-        # A custom_generate callable never receives `tokenizer`, so the stop-string criterion is built here.
         criteria = StoppingCriteriaList(args.pop("stopping_criteria", None) or [])
         criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
         args["stopping_criteria"] = criteria
-        generation_config = copy.deepcopy(generation_config or model.generation_config)
-        generation_config.stop_strings = None
-        args["generation_config"] = generation_config
-    elif tokenizer is not None:
-        args["tokenizer"] = tokenizer
+        _switch_off(model, args, "stop_strings", None)
     return model.generate(custom_generate=generate, **args)
+
+
+def _setting(model, args: dict, field: str):
+    """A generation field as `generate` will see it: the keyword argument, else the passed or the model's config."""
+    if field in args:
+        return args[field]
+    return getattr(args.get("generation_config") or model.generation_config, field, None)
+
+
+def _switch_off(model, args: dict, field: str, off) -> None:
+    """Turn `field` off for the inner `generate` call where it was set. A keyword argument wins over any generation
+    config, so only a field set in a config copies that config (a kwarg plus a config makes transformers warn)."""
+    if field in args:
+        args[field] = off
+    else:
+        config = copy.deepcopy(args.get("generation_config") or model.generation_config)
+        setattr(config, field, off)
+        args["generation_config"] = config
 
 
 _original_load_custom_generate = GenerationMixin.load_custom_generate

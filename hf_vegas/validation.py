@@ -3,14 +3,38 @@
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicCache
+from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
 from .cache import layer_types
 
 # What transformers' own preparation leaves in `model_kwargs` for a decoder-only model; anything else came from the
 # user and would be silently dropped, so it is refused.
-PREPARED_MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache"}
+PREPARED_MODEL_KWARGS = {
+    "attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache", "inputs_embeds"
+}
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
-UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
+UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
+# Fields that switch vanilla `generate` away from greedy decoding and sampling (see GenerationConfig.get_generation_mode).
+MODE_SWITCHES = (
+    ("num_beams", lambda g: g.num_beams not in (None, 1)),
+    ("constraints", lambda g: g.constraints is not None),
+    ("force_words_ids", lambda g: g.force_words_ids is not None),
+    ("penalty_alpha", lambda g: not g.do_sample and (g.penalty_alpha or 0) > 0 and (g.top_k or 0) > 1),
+    ("prompt_lookup_num_tokens", lambda g: g.prompt_lookup_num_tokens is not None),
+    ("assistant_early_exit", lambda g: g.assistant_early_exit is not None),
+    ("use_mtp", lambda g: bool(getattr(g, "use_mtp", None))),
+    ("dola_layers", lambda g: g.dola_layers is not None),
+)
+# `cache_implementation` values that only choose how vanilla stores its cache; the output does not depend on them.
+EQUIVALENT_CACHES = (None, "dynamic", "static")
+# Fields that change how vanilla runs (memory, compilation) in ways hf_vegas does not reproduce, with what to do.
+NOT_HONOURED = (
+    ("cache_config", "hf_vegas builds its own static cache (no quantised or offloaded cache); remove it."),
+    ("compile_config", "vanilla's automatic compilation is replaced by `vegas_compile=True`; remove it."),
+    ("prefill_chunk_size", "the prompt is prefilled in one forward; remove it."),
+    ("continuous_batching_config", "continuous batching is vanilla's own engine; remove it."),
+)
 
 
 def check_model(model) -> None:
@@ -42,35 +66,72 @@ def check_model(model) -> None:
         raise ValueError("hf_vegas runs inference only: call model.eval() before generate.")
 
 
-def check_generation_config(generation_config) -> None:
-    if generation_config.num_beams != 1:
-        raise ValueError(f"hf_vegas does not support beam search: `num_beams` must be 1, got {generation_config.num_beams}.")
+def check_generation_config(generation_config, logits_processor=None) -> None:
+    """Refuse every generation option hf_vegas would otherwise ignore or run differently from vanilla `generate`."""
+    asked = [name for name, is_set in MODE_SWITCHES if is_set(generation_config)]
+    if asked:
+        mode = generation_config.get_generation_mode()
+        raise ValueError(
+            f"hf_vegas runs greedy decoding and sampling only; {', '.join(asked)} select(s) {mode.value!r}. "
+            "Remove them (hf_vegas drafts with the model itself: no beams, assistants, prompt lookup or DoLa)."
+        )
     if generation_config.use_cache is False:
         raise ValueError("hf_vegas decodes from its own KV cache: `use_cache=False` is not supported.")
-    if generation_config.cache_implementation is not None:
+    if generation_config.cache_implementation not in EQUIVALENT_CACHES:
         raise ValueError(
-            f"`cache_implementation={generation_config.cache_implementation!r}` is not supported: hf_vegas "
-            "always uses its own static VegasCache. Remove the argument."
+            f"`cache_implementation={generation_config.cache_implementation!r}` is not supported: hf_vegas always "
+            f"uses its own static VegasCache, which stands for {[c for c in EQUIVALENT_CACHES if c]} only."
+        )
+    for name, instead in NOT_HONOURED:
+        if getattr(generation_config, name, None) is not None:
+            raise ValueError(f"`{name}` is not supported by hf_vegas: {instead}")
+    guidance = generation_config.guidance_scale
+    if (guidance is not None and guidance != 1) or any(
+        isinstance(p, UnbatchedClassifierFreeGuidanceLogitsProcessor) for p in (logits_processor or [])
+    ):
+        raise ValueError(
+            f"hf_vegas does not support classifier-free guidance (`guidance_scale={guidance}`): its processor runs "
+            "the model one token at a time on its own cache, which speculative steps cannot feed. Remove it."
         )
     if generation_config.return_dict_in_generate:
         asked = [name for name in UNSUPPORTED_OUTPUTS if getattr(generation_config, name, False)]
         if asked:
-            raise ValueError(f"hf_vegas does not return {asked} yet; allowed extra output: `return_dict_in_generate`.")
+            raise ValueError(
+                f"hf_vegas does not return {asked} (its draft and verify forwards do not compute vanilla's per-step "
+                "tensors); allowed extra outputs: `output_scores`, `output_logits`."
+            )
 
 
 def check_model_kwargs(model_kwargs: dict) -> None:
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None and getattr(cache, "_is_user_defined", False):
-        raise ValueError(
-            f"A cache was passed in (`past_key_values={type(cache).__name__}`); hf_vegas builds its own static "
-            "VegasCache and cannot continue from another cache. Remove `past_key_values`."
-        )
     extra = sorted(set(model_kwargs) - PREPARED_MODEL_KWARGS)
     if extra:
         raise ValueError(
             f"hf_vegas does not support the model input(s) {extra}; decoder-only text generation takes "
-            "`input_ids` and `attention_mask`."
+            "`input_ids` or `inputs_embeds`, `attention_mask` and a prefilled `past_key_values` (DynamicCache)."
         )
+
+
+def prompt_cache(cache, prompt_length: int) -> DynamicCache | None:
+    """The user's prefilled prompt cache (`past_key_values=`), checked; None when none was passed.
+
+    hf_vegas copies its keys and values into its own cache and prefills the rest of the prompt; the user's cache is
+    left as it was (vanilla would extend it in place).
+    """
+    # transformers builds an empty cache itself for `cache_implementation`: nothing to copy, whatever its type.
+    if cache is None or cache.get_seq_length() == 0:
+        return None
+    if not isinstance(cache, DynamicCache):
+        raise ValueError(
+            f"`past_key_values` must be a prefilled DynamicCache (the prompt-reuse recipe), got {type(cache).__name__}: "
+            "hf_vegas copies it into its own static cache. Remove it, or pass a DynamicCache."
+        )
+    cached = cache.get_seq_length()
+    if cached >= prompt_length:
+        raise ValueError(
+            f"`past_key_values` already holds {cached} positions but the prompt has {prompt_length}: pass the whole "
+            "prompt (cached part included) with at least one position the cache does not hold."
+        )
+    return cache
 
 
 def left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

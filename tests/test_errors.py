@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StaticCache
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StaticCache
 
 import hf_vegas
 from hf_vegas import VegasConfig
@@ -36,10 +36,18 @@ BAD = [
     (dict(vegas_config="fast"), "vegas_config"),
     (dict(vegas_config={"gama": 3}), "gama"),
     (dict(num_beams=2), "num_beams"),
-    (dict(cache_implementation="static"), "cache_implementation"),
+    (dict(cache_implementation="offloaded"), "cache_implementation"),
     (dict(use_cache=False), "use_cache"),
-    (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
     (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
+    (dict(output_hidden_states=True, return_dict_in_generate=True), "output_hidden_states"),
+    (dict(guidance_scale=1.5), "guidance_scale"),
+    (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
+    (dict(penalty_alpha=0.6, top_k=4), "penalty_alpha"),
+    (dict(dola_layers="high"), "dola_layers"),
+    (dict(assistant_early_exit=2), "assistant_early_exit"),
+    (dict(force_words_ids=[[3]]), "force_words_ids"),
+    (dict(prefill_chunk_size=8), "prefill_chunk_size"),
+    (dict(synced_gpus=True), "synced_gpus"),
     (dict(token_type_ids=torch.zeros_like(IDS)), "token_type_ids"),
 ]
 
@@ -55,6 +63,15 @@ def test_bad_input_raises_before_any_forward(model_and_counter, entry, kwargs, n
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_paged_cache_is_refused_by_the_string_form(model_and_counter):
+    """`cache_implementation="paged"` makes transformers switch to continuous batching before any custom_generate
+    callable runs (its own routing); the string form sees it first and refuses it."""
+    model, forwards = model_and_counter
+    with pytest.raises(ValueError, match="paged"):
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas", cache_implementation="paged")
+    assert forwards == []
+
+
 def test_unknown_vegas_key_is_an_error(model_and_counter):
     model, forwards = model_and_counter
     with pytest.raises(ValueError, match="vegas_gama"):  # ours, listing the allowed keys
@@ -64,10 +81,24 @@ def test_unknown_vegas_key_is_an_error(model_and_counter):
     assert forwards == []
 
 
-def test_passed_in_cache_is_refused(model_and_counter):
+def test_a_prefilled_cache_other_than_dynamic_is_refused(model_and_counter):
     model, forwards = model_and_counter
     cache = StaticCache(config=model.config, max_cache_len=64)
-    with pytest.raises(ValueError, match="past_key_values"):
+    with torch.no_grad():
+        model(IDS[:, :8], attention_mask=MASK[:, :8], past_key_values=cache)
+    forwards.clear()
+    with pytest.raises(ValueError, match="past_key_values` must be a prefilled DynamicCache"):
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas", past_key_values=cache)
+    assert forwards == []
+
+
+def test_a_prompt_cache_holding_the_whole_prompt_is_refused(model_and_counter):
+    model, forwards = model_and_counter
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(IDS, attention_mask=MASK, past_key_values=cache)
+    forwards.clear()
+    with pytest.raises(ValueError, match="at least one position the cache does not hold"):
         model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas", past_key_values=cache)
     assert forwards == []
 

@@ -82,6 +82,34 @@ def test_compiled_graph_steps_give_the_vanilla_tokens(gamma):
 
 
 @needs_gpu
+@pytest.mark.parametrize("gamma", [0, 4])
+def test_graph_steps_return_vanilla_scores_logits_and_continue_a_prompt_cache(gamma):
+    """Scores and logits copied out of the graphs' output buffers before the next replay; a prefilled prompt cache
+    and an embedded prompt (CPU counterparts: test_generate_features.py)."""
+    import copy
+
+    from transformers import DynamicCache
+
+    model = tiny_model("llama").cuda()
+    ids, mask = (t.cuda() for t in ragged_batch([70, 41, 52]))
+    prompt_cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :30], attention_mask=mask[:, :30], past_key_values=prompt_cache)
+    embeds = model.get_input_embeddings()(ids)
+    common = dict(attention_mask=mask, max_new_tokens=16, pad_token_id=0, do_sample=False, inputs_embeds=embeds,
+                  return_dict_in_generate=True, output_scores=True, output_logits=True, repetition_penalty=1.2)
+    vanilla = model.generate(ids, **common, past_key_values=copy.deepcopy(prompt_cache))
+    extra = SPARSE if gamma else {}
+    out = model.generate(ids, **common, past_key_values=prompt_cache, custom_generate="vegas", vegas_gamma=gamma,
+                         **extra)
+    assert _pooled_graphs(model).replays > 0
+    torch.testing.assert_close(out.sequences, vanilla.sequences, rtol=0, atol=0)
+    for name in ("scores", "logits"):
+        torch.testing.assert_close(torch.stack(getattr(out, name)), torch.stack(getattr(vanilla, name)),
+                                   rtol=1e-3, atol=1e-3)
+
+
+@needs_gpu
 def test_graph_sampling_draws_the_eager_tokens():
     """Sampling runs outside the graphs on bit-identical logits, so one seed gives the eager tokens."""
     model = tiny_model("qwen3", seed=3).cuda()

@@ -48,6 +48,20 @@ def test_stop_strings_and_text_streamer(smollm2, capsys):
     assert out.shape[1] < ids["input_ids"].shape[1] + 40  # it did stop on the string
 
 
+def test_token_healing_matches_vanilla(smollm2):
+    """Token healing re-tokenizes the prompt's tail ("@gma" -> "@gmail"); the string form heals as vanilla does. The
+    callable form cannot: transformers heals before calling it and never hands it `tokenizer` (its own error)."""
+    model, tokenizer = smollm2
+    ids = tokenizer(["My email is john.smith@gma"], return_tensors="pt")
+    common = dict(max_new_tokens=10, do_sample=False, tokenizer=tokenizer)
+    expected = model.generate(**ids, **common, token_healing=True)
+    assert not torch.equal(expected, model.generate(**ids, **common)), "healing must change this prompt's output"
+    out = model.generate(**ids, **common, token_healing=True, custom_generate="vegas", vegas_min_tokens=8)
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="token healing"):
+        model.generate(**ids, **common, token_healing=True, custom_generate=hf_vegas.generate)
+
+
 def test_sampling_runs_and_stays_in_the_top_p_set(smollm2):
     model, tokenizer = smollm2
     ids = long_prompt(tokenizer, 600)
