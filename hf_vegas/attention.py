@@ -58,7 +58,13 @@ def vegas_attention_forward(
         raise NotImplementedError("Attention sinks (`s_aux`, gpt-oss) are not supported by hf_vegas yet.")
     if scaling is None:
         scaling = module.head_dim**-0.5
+    # `VegasCache.update` gave the model `(B, kv_heads, slots, D)` views of the `(B, slots, kv_heads, D)` storage; the
+    # ops read the storage layout (a model that rebuilt its keys or values passes new tensors, which the ops read
+    # through their strides just the same).
+    key, value = key.transpose(1, 2), value.transpose(1, 2)
     full_layer = not cache.layers[module.layer_idx].is_sliding
+    if full_layer and sliding_window is not None and sliding_window >= cache.reach:
+        sliding_window = None  # a window no position of this generation can leave: full attention
     if full_layer != (sliding_window is None):
         raise RuntimeError(
             f"Layer {module.layer_idx} attends with sliding_window={sliding_window}, but its config says "

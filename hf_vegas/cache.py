@@ -1,7 +1,8 @@
 """`VegasCache`: a static, preallocated KV cache with per-row lengths and per-(layer, row) draft selections.
 
 Layout. Every attention layer owns `keys`/`values` of shape `(batch, capacity + 1, kv_heads, head_dim)` ("NHD":
-one token's keys for all KV heads are contiguous, which is what a gather of selected tokens wants). Row `b` holds
+one token's keys for all KV heads are contiguous, which is what a gather of selected tokens wants); `update` hands
+transformers the `(batch, kv_heads, slots, head_dim)` view it documents. Row `b` holds
 its real tokens in slots `[0, lengths[b])`, with no padding: a token's slot is its position. The extra last slot is
 a scratch sink for the left-padding of a batched prefill.
 
@@ -64,7 +65,10 @@ class VegasLayer(CacheLayerMixin):
         kernel = self.owner.backend == "triton" and key_states.shape[2] <= KERNEL_WRITE_TOKENS
         write = backend.kernels().write_kv if kernel else reference.write_kv
         write(self.keys, self.values, key_states, value_states, self.owner.write_slots)
-        return self.keys, self.values
+        # Transformers' documented layout, `(batch, kv_heads, slots, head_dim)`, as a view of the storage: models that
+        # work on the keys or values between `update` and attention (DiffLlama splits the value heads) see what
+        # they expect, and the "vegas" attention turns the view back without a copy.
+        return self.keys.transpose(1, 2), self.values.transpose(1, 2)
 
     def get_seq_length(self) -> int:
         return self.owner.get_seq_length()
@@ -96,15 +100,20 @@ class VegasCache(Cache):
         device (`torch.device`): where the row bookkeeping lives (the KV buffers follow the model's tensors).
         backend (`str`, *optional*, defaults to `"torch"`): the resolved attention ops, `"torch"` (reference) or
             `"triton"` (see `hf_vegas.ops.backend.resolve_backend`).
+        reach (`int`, *optional*, defaults to `capacity`): positions the generation can reach; sliding windows at least
+            this long are treated as full attention.
     """
 
     def __init__(self, config, batch_size: int, capacity: int, vegas_config: VegasConfig, device=None,
-                 backend: str = "torch"):
+                 backend: str = "torch", reach: int | None = None):
         if backend not in ("torch", "triton"):
             raise ValueError(f"VegasCache backend must be 'torch' or 'triton' (resolve 'auto' first), got {backend!r}.")
         text_config = config.get_text_config(decoder=True)
         num_layers = text_config.num_hidden_layers
-        super().__init__(layers=[VegasLayer(self, t == "sliding_attention") for t in layer_types(text_config)])
+        # Positions this generation reaches: a sliding window at least as long is full attention (`layer_types`).
+        self.reach = reach if reach is not None else capacity
+        types = layer_types(text_config, self.reach)
+        super().__init__(layers=[VegasLayer(self, t == "sliding_attention") for t in types])
         self.batch_size_ = batch_size
         self.capacity = capacity
         self.vegas_config = vegas_config
@@ -304,15 +313,24 @@ class VegasCache(Cache):
         return self.batch_size_
 
 
-def layer_types(text_config) -> list[str]:
-    """Each layer's attention type. Without `layer_types`, a config with `sliding_window` set (Mistral, Phi-3) gives
-    every layer that window, as those models pass it to every attention call."""
+def layer_types(text_config, reach: int | None = None) -> list[str]:
+    """Each layer's attention type for a generation whose positions stay below `reach`.
+
+    Without `layer_types`, a config with `sliding_window` set (Mistral, Phi-3, StarCoder2) gives every layer that
+    window, as those models pass it to every attention call. A window of at least `reach` positions never cuts
+    anything (Phi-3-128k's 262144, Mistral-v0.1's 4096 under a 4K context), so such a layer is full attention: it
+    is drafted sparsely like any other.
+    """
     num_layers = text_config.num_hidden_layers
     types = getattr(text_config, "layer_types", None)
+    window = getattr(text_config, "sliding_window", None)
     if types:
-        return list(types[:num_layers])
-    windowed = getattr(text_config, "sliding_window", None) is not None
-    return ["sliding_attention" if windowed else "full_attention"] * num_layers
+        types = list(types[:num_layers])
+    else:
+        types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
+    if reach is not None and window is not None and window >= reach:
+        types = ["full_attention" if t == "sliding_attention" else t for t in types]
+    return types
 
 
 def budget_tensor(candidates: torch.Tensor, config: VegasConfig) -> torch.Tensor:

@@ -147,8 +147,10 @@ def fused_projections(model, active=lambda: True):
     kernels = backend.kernels()
     patched: list[nn.Module] = []
     counts = {"attention": 0, "mlp": 0}
+    # Only the language model's layers run in draft steps (a multimodal class's vision tower never does).
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     try:
-        for module in model.modules():
+        for module in decoder.modules():
             for kind, fuse in (("attention", _fuse_attention), ("mlp", _fuse_mlp)):
                 done = fuse(module, kernels, active)
                 if done:

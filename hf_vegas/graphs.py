@@ -30,7 +30,7 @@ import weakref
 
 import torch
 
-from .cache import VegasCache
+from .cache import VegasCache, layer_types
 from .config import VegasConfig
 
 logger = logging.getLogger(__name__)
@@ -174,14 +174,16 @@ def cache_for(model, batch: int, capacity: int, config: VegasConfig, device, bac
             release_graphs(model)  # an idle pooled cache would hold its memory next to this one
         yield VegasCache(model.config, batch, capacity, config, device=device, backend=backend), None
         return
-    capacity = math.ceil(capacity / CAPACITY_BUCKET) * CAPACITY_BUCKET
+    reach, capacity = capacity, math.ceil(capacity / CAPACITY_BUCKET) * CAPACITY_BUCKET
     autocast = torch.is_autocast_enabled(torch.device(device).type)  # captured kernels bake in the dtypes
-    key = (batch, capacity, config, backend, str(torch.device(device)), model.dtype, autocast,
+    # Which sliding windows count as full attention depends on this generation's reach, not on the bucket.
+    types = tuple(layer_types(model.config.get_text_config(decoder=True), reach))
+    key = (batch, capacity, types, config, backend, str(torch.device(device)), model.dtype, autocast,
            _weights_fingerprint(model))
     if entry is None or entry.key != key:
         del entry  # the last reference: the previous bucket's memory is freed before this one is allocated
         release_graphs(model)
-        cache = VegasCache(model.config, batch, capacity, config, device=device, backend=backend)
+        cache = VegasCache(model.config, batch, capacity, config, device=device, backend=backend, reach=reach)
         _POOL[model] = _PoolEntry(key, cache, StepGraphs(compile=config.compile))
         entry = _POOL[model]
     else:

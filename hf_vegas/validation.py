@@ -13,6 +13,9 @@ from .cache import layer_types
 PREPARED_MODEL_KWARGS = {
     "attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache", "inputs_embeds"
 }
+EMPTY_OK = {"mm_encoder_outputs"}
+MEDIA_INPUTS = {"mm_encoder_outputs", "pixel_values", "pixel_values_videos", "image_sizes", "input_features", "input_values",
+                "image_grid_thw", "video_grid_thw", "mm_token_type_ids"}
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
 # Fields that switch vanilla `generate` away from greedy decoding and sampling (see GenerationConfig.get_generation_mode).
@@ -47,23 +50,35 @@ def check_model(model) -> None:
             "hf_vegas cannot switch it to sparse drafting (unsupported attention type)."
         )
     text_config = config.get_text_config(decoder=True)
-    types = layer_types(text_config)
-    unsupported = set(types) - SUPPORTED_LAYER_TYPES
+    unsupported = set(layer_types(text_config)) - SUPPORTED_LAYER_TYPES
     if unsupported:
         raise ValueError(
             f"Unsupported attention layer type(s) {sorted(unsupported)}; hf_vegas supports "
             f"{sorted(SUPPORTED_LAYER_TYPES)}."
         )
-    if "full_attention" not in types:
+    if any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()):
         raise ValueError(
-            f"hf_vegas drafts sparsely in full-attention layers only, and every layer of this model attends through a "
-            f"sliding window (config.sliding_window={getattr(text_config, 'sliding_window', None)}): drafts would be "
-            "the model itself. Models with sliding_window=None (e.g. Mistral v0.2+) are supported."
+            f"{type(model).__name__} attends with learned attention sinks (gpt-oss), which hf_vegas's attention ops do "
+            "not support yet."
         )
     if getattr(text_config, "use_bidirectional_attention", False):
         raise ValueError("hf_vegas needs causal attention; this config sets use_bidirectional_attention=True.")
     if model.training:
         raise ValueError("hf_vegas runs inference only: call model.eval() before generate.")
+
+
+def check_layers(model, reach: int) -> None:
+    """At least one layer must be full attention for a generation reaching `reach` positions, or drafts would be the
+    model itself (a sliding window at least that long counts as full attention)."""
+    text_config = model.config.get_text_config(decoder=True)
+    if "full_attention" not in layer_types(text_config, reach):
+        window = getattr(text_config, "sliding_window", None)
+        raise ValueError(
+            f"hf_vegas drafts sparsely in full-attention layers, and every layer of this model attends through a "
+            f"sliding window of {window} positions, shorter than this generation's {reach} (longest prompt + "
+            "max_new_tokens + 2 * gamma + 1): drafts would be the model itself. Windows at least that long run as "
+            "full attention; sparse drafting inside shorter windows is not supported yet."
+        )
 
 
 def check_generation_config(generation_config, logits_processor=None) -> None:
@@ -103,7 +118,16 @@ def check_generation_config(generation_config, logits_processor=None) -> None:
 
 
 def check_model_kwargs(model_kwargs: dict) -> None:
-    extra = sorted(set(model_kwargs) - PREPARED_MODEL_KWARGS)
+    # transformers adds an empty `mm_encoder_outputs` for every multimodal class (Gemma3ForConditionalGeneration):
+    # a text prompt on such a model passes through its ordinary language-model layers.
+    extra = sorted(k for k in set(model_kwargs) - PREPARED_MODEL_KWARGS if not (k in EMPTY_OK and not model_kwargs[k]))
+    media = [k for k in extra if k in MEDIA_INPUTS]
+    if media:
+        raise ValueError(
+            f"hf_vegas generates from text prompts; image, audio and video inputs ({media}, which transformers "
+            "prepares from `pixel_values` and kin) are not supported yet. "
+            "Pass `input_ids` (or `inputs_embeds`) without them."
+        )
     if extra:
         raise ValueError(
             f"hf_vegas does not support the model input(s) {extra}; decoder-only text generation takes "

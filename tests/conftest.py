@@ -8,8 +8,13 @@ if not torch.cuda.is_available():
     # imported (at `triton.jit`), so it is set here, before any test imports it.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import hf_vegas  # noqa: F401  (registers the "vegas" attention and short name)
-from hf_vegas.real_models import load_smollm2
+# Under pytest-xdist each worker gets its share of the cores: torch's default, one thread per core in every worker,
+# oversubscribes them.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
+import hf_vegas  # noqa: F401,E402  (registers the "vegas" attention and short name)
+from hf_vegas.real_models import load_smollm2  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -193,15 +193,44 @@ def test_config_repr_and_dict():
     assert VegasConfig(**config.to_dict()) == config
 
 
-def test_model_with_a_window_on_every_layer_is_refused():
-    """Mistral/Phi-3 configs with `sliding_window` set window every layer: nothing full to draft sparsely."""
+def test_a_window_shorter_than_the_generation_on_every_layer_is_refused():
+    """Mistral-v0.1/StarCoder2-style configs window every layer; a window shorter than the positions a generation
+    reaches leaves nothing full to draft sparsely (longer windows run: tests/test_greedy_equivalence.py)."""
     from transformers import MistralConfig, MistralForCausalLM
 
     model = MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             sliding_window=4096)).eval()
+                                             sliding_window=24)).eval()
     forwards = []
     model.register_forward_pre_hook(lambda module, args: forwards.append(1))
-    with pytest.raises(ValueError, match="sliding_window=4096"):
-        model.generate(IDS[:1], max_new_tokens=4, custom_generate="vegas")
+    with pytest.raises(ValueError, match="sliding window of 24 positions, shorter than this generation's 37"):
+        model.generate(IDS[:1], max_new_tokens=4, custom_generate="vegas")  # 20 + 4 + 2 * 6 + 1
+    assert forwards == []
+
+
+def test_images_on_a_multimodal_class_are_refused_before_any_forward():
+    """Text prompts on Gemma3ForConditionalGeneration run (tests/test_greedy_equivalence.py); images do not yet."""
+    model = tiny_model("gemma3_multimodal")
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    pixels = torch.zeros(2, 3, 28, 28)
+    try:
+        with pytest.raises(ValueError, match="image, audio and video inputs"):
+            model.generate(IDS, attention_mask=MASK, pixel_values=pixels, max_new_tokens=5, pad_token_id=0,
+                           custom_generate="vegas")
+    finally:
+        handle.remove()
+    assert forwards == []
+
+
+def test_attention_sinks_are_refused_before_any_forward():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    model = GptOssForCausalLM(GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           num_local_experts=4, num_experts_per_tok=2, sliding_window=16)).eval()
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    with pytest.raises(ValueError, match="attention sinks"):
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=4, pad_token_id=0, custom_generate="vegas")
     assert forwards == []

@@ -6,7 +6,7 @@ import torch
 import hf_vegas
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from tiny_models import BUILDERS, ragged_batch, tiny_model
+from tiny_models import BUILDERS, MORE_BUILDERS, ragged_batch, tiny_model
 
 # Long enough that the budget (8 of ~80 candidates) really drops tokens.
 SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=8)
@@ -28,6 +28,19 @@ def test_greedy_matches_vanilla(arch, shape, gamma):
     cache = out.past_key_values
     assert bool((cache.sel_count < cache.sel_end).all()), "the selection must drop tokens for this test to mean much"
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("entry", ["callable", "short_name"])
+@pytest.mark.parametrize("arch", list(MORE_BUILDERS))
+def test_more_architectures_greedy_match_vanilla(arch, entry):
+    model = tiny_model(arch)
+    ids, mask = ragged_batch(SHAPES["ragged3"])
+    common = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **common)
+    custom = hf_vegas.generate if entry == "callable" else "vegas"
+    out = model.generate(ids, **common, custom_generate=custom, vegas_gamma=4, return_dict_in_generate=True, **SPARSE)
+    torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
+    assert out.past_key_values.full_layers == list(range(model.config.num_hidden_layers)), "every layer is sparse"
 
 
 @pytest.mark.parametrize("policy", ["vegas", "streaming", "last_token"])

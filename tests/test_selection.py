@@ -52,7 +52,7 @@ def test_verify_selection_is_eq3(score, groups):
     cache.lengths = prefix.clone()
     keys = torch.randn(batch, gamma + 1, kv_heads, dim)
     cache.begin("verify")
-    k_all, v_all = cache.update(keys.transpose(1, 2), keys.transpose(1, 2), 0)
+    k_all, v_all = cache.update(keys.transpose(1, 2), keys.transpose(1, 2), 0)  # (B, H, S, D) views
     k_all[:, :, :] = torch.randn_like(k_all)  # arbitrary cached prefix
     q = torch.randn(batch, heads, gamma + 1, dim)
     module = types.SimpleNamespace(layer_idx=0, head_dim=dim)
@@ -63,7 +63,8 @@ def test_verify_selection_is_eq3(score, groups):
         budget = config.budget(candidates)
         assert int(cache.sel_end[b]) == candidates and int(cache.sel_count[b]) == budget < candidates
         ours = set(cache.sel_idx[0, b, :budget].tolist())
-        expected = brute_force_eq3(q[b, :, 0], q[b, :, -1], k_all[b, : candidates + gamma], candidates, budget,
+        expected = brute_force_eq3(q[b, :, 0], q[b, :, -1], k_all[b, :, : candidates + gamma].transpose(0, 1),
+                                   candidates, budget,
                                    dim**-0.5, groups, score)
         assert ours == expected
 

@@ -4,14 +4,29 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    DiffLlamaConfig,
+    DiffLlamaForCausalLM,
+    Gemma3Config,
     Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MiniCPM3Config,
+    MiniCPM3ForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Qwen3Config,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen3ForCausalLM,
+    SiglipVisionConfig,
+    Starcoder2Config,
+    Starcoder2ForCausalLM,
 )
 
 VOCAB = 128
@@ -36,12 +51,62 @@ BUILDERS = {
         Gemma3TextConfig(**COMMON, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          sliding_window=16)
     ),
+    # Mistral-v0.1 style: every layer windowed (no `layer_types`), the window longer than any test's generation, so
+    # every layer is full attention and drafted sparsely.
+    "mistral_window": lambda: MistralForCausalLM(
+        MistralConfig(**COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=4096)
+    ),
+    # Phi-3-128k style: partial rotary, a fused qkv projection, and a window (262144) longer than any context.
+    "phi3": lambda: Phi3ForCausalLM(
+        Phi3Config(**COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=262144,
+                   partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    ),
+    # Splits the value heads between the cache's `update` and attention (needs transformers' cache layout).
+    "diffllama": lambda: DiffLlamaForCausalLM(
+        DiffLlamaConfig(**COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    ),
+    # Multi-head latent attention: key head dim 24 (16 + 8 rotary), value head dim 16; MoE after the first layer.
+    "deepseek_v3": lambda: DeepseekV3ForCausalLM(
+        DeepseekV3Config(**COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                         kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                         num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                         moe_intermediate_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    ),
+    # The multimodal class Gemma-3 4B-27B load as, given text prompts: its language model is the hybrid above.
+    "gemma3_multimodal": lambda: Gemma3ForConditionalGeneration(
+        Gemma3Config(
+            text_config=Gemma3TextConfig(**COMMON, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, sliding_window=16),
+            vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14),
+            mm_tokens_per_image=4, image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
+        )
+    ),
+}
+
+
+# Checked in one greedy test each (tests/test_greedy_equivalence.py), not in every parametrized suite: the same code
+# paths as the builders above (latent attention: deepseek_v3; windows: mistral_window).
+MORE_BUILDERS = {
+    "deepseek_v2": lambda: DeepseekV2ForCausalLM(
+        DeepseekV2Config(**COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                         kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                         num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32)
+    ),
+    "minicpm3": lambda: MiniCPM3ForCausalLM(
+        MiniCPM3Config(**COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                       kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    ),
+    "starcoder2": lambda: Starcoder2ForCausalLM(
+        Starcoder2Config(**COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         sliding_window=4096)
+    ),
 }
 
 
 def tiny_model(arch: str, seed: int = 0):
     torch.manual_seed(seed)
-    return BUILDERS[arch]().eval()
+    return {**BUILDERS, **MORE_BUILDERS}[arch]().eval()
 
 
 def ragged_batch(lengths: list[int], seed: int = 0, pad_id: int = 0):
