@@ -16,6 +16,7 @@ from hf_vegas.config import VegasConfig
 from tiny_models import BUILDERS, ragged_batch, tiny_model
 
 SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=8)
+MOE_ARCHS = {"deepseek_v3"}
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (CPU counterparts below)")
 
 
@@ -50,6 +51,11 @@ def test_graph_steps_give_the_eager_tokens(arch, backend):
     torch.testing.assert_close(graphed.sequences, vanilla, rtol=0, atol=0)
     torch.testing.assert_close(graphed.accepted, eager.accepted, rtol=0, atol=0)
     steps = _pooled_graphs(model)
+    if arch in MOE_ARCHS and steps.disabled_reason is not None:
+        # transformers' eager MoE routing syncs with the host (`nonzero`), which a CUDA graph cannot hold: the steps
+        # fall back to eager ones, with the reason logged, and the tokens above are still vanilla's.
+        assert "capturing" in steps.disabled_reason
+        return
     assert steps.disabled_reason is None
     assert steps.captures == 2 and steps.replays > 0, "one draft and one verify graph, replayed"
 
