@@ -71,6 +71,11 @@ def vegas_attention_forward(
             f"{'full' if full_layer else 'sliding'} attention: hf_vegas cannot tell which layers to sparsify."
         )
     kernels = _kernels_for(cache, query, key)
+    # A layer may attend more than once per forward (DiffLlama: two value halves over the same keys and queries).
+    # The scores depend on queries and keys only, so the layer selects at its first call.
+    selecting = full_layer and cache.selecting and module.layer_idx not in cache.selected_layers
+    if selecting:
+        cache.selected_layers.add(module.layer_idx)
     if cache.mode == "draft" and full_layer:
         draft_attention = kernels.sparse_draft_attention if kernels else reference.sparse_draft_attention
         extra = dict(list_len=cache.draft_list_len) if kernels else {}
@@ -78,7 +83,7 @@ def vegas_attention_forward(
             query, key, value, cache.query_slots, cache.lengths,
             cache.sel_idx[module.layer_idx], cache.sel_count, cache.sel_end, scaling, softcap, **extra,
         )
-    elif kernels is not None and full_layer and cache.selecting and cache.score_rows is not None:
+    elif kernels is not None and selecting and cache.score_rows is not None:
         out, emitted, lse = kernels.verify_attention(
             query, key, value, cache.query_slots, cache.lengths, scaling, cache.score_rows,
             cache.vegas_config.score, softcap,
@@ -90,7 +95,7 @@ def vegas_attention_forward(
         else:
             dense = kernels.dense_attention if kernels else reference.dense_attention
             out = dense(query, key, value, cache.query_slots, cache.lengths, scaling, sliding_window, softcap)
-        if cache.selecting and full_layer:
+        if selecting:
             _select(cache, module.layer_idx, query, key, scaling, softcap)
     return out, None
 

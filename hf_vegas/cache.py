@@ -151,6 +151,8 @@ class VegasCache(Cache):
         self.full_layer_index = torch.tensor(self.full_layers, dtype=torch.long, device=self.device)
         # Kernel path: full layers whose scores this forward emitted, selected together at the last full layer.
         self.emitted_layers: list[int] = []
+        # Layers that already chose their selection in this forward (a layer may attend twice: DiffLlama).
+        self.selected_layers: set[int] = set()
 
     # -- step protocol -------------------------------------------------------------------------------------------
     def begin(self, mode: str, left_pad: torch.Tensor | None = None, verify_end: torch.Tensor | None = None) -> None:
@@ -196,6 +198,7 @@ class VegasCache(Cache):
         # (one synchronisation per prefill, never in the draft/verify steps).
         self.prefill_left_pad = None
         self.emitted_layers = []
+        self.selected_layers = set()
         if self.mode == "prefill" and not bool(self.write_start.any()):
             self.prefill_left_pad = self.left_pad.tolist()
         if not self.selecting:

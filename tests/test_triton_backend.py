@@ -125,3 +125,24 @@ def test_bf16_model_under_the_interpreter_is_refused_before_any_forward():
     with pytest.raises(ValueError, match="vegas_backend='triton'.*bfloat16"):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, custom_generate="vegas", vegas_backend="triton")
     assert forwards == []
+
+
+def test_a_layer_attending_twice_selects_once(kernel_calls, monkeypatch):
+    """DiffLlama attends twice per layer (two value halves, the same queries and keys): the layer emits its scores
+    and selects at its first call only, so a verification selects every layer in one launch (a second selection
+    of the last layer would build an index on the host, which a CUDA graph capture refuses)."""
+    import hf_vegas_kernels
+
+    selections = []
+    original = hf_vegas_kernels.select_topk
+    monkeypatch.setattr(hf_vegas_kernels, "select_topk", lambda *a, **k: selections.append(1) or original(*a, **k))
+    model, ids, mask = _on_device(tiny_model("diffllama"), *ragged_batch([70, 44]))
+    common = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **common)
+    out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=2, vegas_backend="triton",
+                         return_dict_in_generate=True, **SPARSE)
+    assert torch.equal(out.sequences, expected)
+    verifications = out.accepted.shape[1]
+    layers = model.config.num_hidden_layers
+    assert kernel_calls["verify_attention"] == verifications * layers  # not twice per layer
+    assert len(selections) == verifications
