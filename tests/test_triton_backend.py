@@ -140,7 +140,7 @@ def test_a_layer_attending_twice_selects_once(kernel_calls, monkeypatch):
     common = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     expected = model.generate(ids, **common)
     out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=2, vegas_backend="triton",
-                         return_dict_in_generate=True, **SPARSE)
+                         vegas_cuda_graphs=False, return_dict_in_generate=True, **SPARSE)  # graphs replay uncounted
     assert torch.equal(out.sequences, expected)
     verifications = out.accepted.shape[1]
     layers = model.config.num_hidden_layers
