@@ -11,8 +11,8 @@ from tiny_models import BUILDERS, generation_cache, ragged_batch, tiny_model
 pytest.importorskip("hf_vegas_kernels", reason="Triton is not installed on this platform")
 
 SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=8)
-# On the CPU every kernel launch runs in Triton's Python interpreter (~30 ms), so these end-to-end runs are short;
-# the kernels' own tests cover the shapes.
+# On the CPU every kernel launch runs in Triton's Python interpreter (~30 ms), so these end-to-end runs are short
+# (8 new tokens, gamma 3: ~0.5 s per forward of a tiny model); the kernels' own tests cover the shapes.
 SHAPES = {"batch1": [80], "ragged3": [80, 61, 37]}
 
 
@@ -41,9 +41,9 @@ def _on_device(model, *tensors):
 @pytest.mark.parametrize("arch,shape", [(arch, "ragged3") for arch in BUILDERS] + [("qwen3", "batch1")])
 def test_triton_greedy_matches_vanilla(arch, shape, kernel_calls):
     model, ids, mask = _on_device(tiny_model(arch), *ragged_batch(SHAPES[shape]))
-    common = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    common = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     expected = model.generate(ids, **common)
-    out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=4, vegas_backend="triton",
+    out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=3, vegas_backend="triton",
                          return_dict_in_generate=True, **SPARSE)
     cache = generation_cache(model, out)
     assert cache.backend == "triton"
@@ -55,7 +55,7 @@ def test_triton_greedy_matches_vanilla(arch, shape, kernel_calls):
 def test_triton_short_prompts_prefill_through_the_kernels(kernel_calls):
     """Prompts short enough that the prefill itself runs the verification kernel, left pads included."""
     model, ids, mask = _on_device(tiny_model("llama", seed=4), *ragged_batch([14, 9, 5], seed=4))
-    common = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    common = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     expected = model.generate(ids, **common)
     out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=3, vegas_backend="triton",
                          vegas_sparsity=0.3, vegas_min_tokens=2)
@@ -68,8 +68,8 @@ def test_triton_short_prompts_prefill_through_the_kernels(kernel_calls):
 def test_triton_policies_match_reference_backend(policy, score):
     """Same selections, same acceptance, same tokens as the torch reference backend."""
     model, ids, mask = _on_device(tiny_model("mistral", seed=1), *ragged_batch([70, 44], seed=1))
-    common = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, custom_generate="vegas",
-                  vegas_gamma=4, vegas_policy=policy, vegas_score=score, return_dict_in_generate=True, **SPARSE)
+    common = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, custom_generate="vegas",
+                  vegas_gamma=3, vegas_policy=policy, vegas_score=score, return_dict_in_generate=True, **SPARSE)
     torch_out = model.generate(ids, **common, vegas_backend="torch")
     triton_out = model.generate(ids, **common, vegas_backend="triton")
     assert torch.equal(triton_out.sequences, torch_out.sequences)
