@@ -132,3 +132,42 @@ def test_string_form_with_eos_none_matches_vanilla():
     assert torch.equal(expected, free)
     for custom in ("vegas", hf_vegas.generate):
         assert torch.equal(model.generate(ids, **common, eos_token_id=None, custom_generate=custom, **SPARSE), free)
+
+
+@pytest.mark.parametrize("where", ["keyword", "generation_config"])
+def test_string_form_turns_stop_strings_off_where_they_were_set(monkeypatch, where):
+    """The string form builds the stop-string criterion itself (a callable never gets `tokenizer`) and turns the
+    field off for the inner call where the user set it: a keyword stays a keyword (adding a `generation_config` next
+    to keywords makes transformers warn on every call), a config gets a copy without it."""
+    from transformers import GenerationConfig, StoppingCriteria
+
+    from hf_vegas import names
+
+    class Never(StoppingCriteria):
+        def __init__(self, tokenizer, stop_strings):
+            self.stop_strings = stop_strings
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    monkeypatch.setattr(names, "StopStringCriteria", Never)
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([20, 12])
+    seen = {}
+    original = type(model).generate
+
+    def spy(self, *args, **kwargs):
+        seen.update(kwargs)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "generate", spy)
+    given = dict(stop_strings=["x"]) if where == "keyword" else dict(
+        generation_config=GenerationConfig(stop_strings=["x"], max_new_tokens=3, pad_token_id=0))
+    names.generate_from_name(model, input_ids=ids, attention_mask=mask, tokenizer=object(), **given)
+    criteria = [c for c in seen["stopping_criteria"] if isinstance(c, Never)]
+    assert len(criteria) == 1 and criteria[0].stop_strings == ["x"]
+    if where == "keyword":
+        assert seen["stop_strings"] is None and "generation_config" not in seen
+    else:
+        assert "stop_strings" not in seen and seen["generation_config"].stop_strings is None
+        assert given["generation_config"].stop_strings == ["x"], "the user's config is left as it was"
