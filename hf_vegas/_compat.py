@@ -20,3 +20,9 @@ def generate_call_argument(name: str):
             return frame.f_locals.get(name)
         frame = frame.f_back
     return None
+
+
+def is_user_cache(cache) -> bool:
+    """Whether the user passed `cache` (transformers 5.17 to 5.23 mark it in `_prepare_cache_for_generation`), rather
+    than transformers building it for `cache_implementation`."""
+    return bool(getattr(cache, "_is_user_defined", False))

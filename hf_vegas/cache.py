@@ -239,12 +239,22 @@ class VegasCache(Cache):
         if len(prefix.layers) != len(self.layers):
             raise ValueError(f"The prompt cache has {len(prefix.layers)} layers; this model has {len(self.layers)}.")
         cached = prefix.get_seq_length()
-        for layer, source in zip(self.layers, prefix.layers):
+        for index, (layer, source) in enumerate(zip(self.layers, prefix.layers)):
             held = source.keys.shape[2]
             if held != cached and not layer.is_sliding:
                 raise ValueError(f"A full-attention layer of the prompt cache holds {held} of {cached} positions.")
+            if source.keys.shape[0] != self.batch_size_:
+                raise ValueError(f"`past_key_values` holds a batch of {source.keys.shape[0]} rows; the prompt has "
+                                 f"{self.batch_size_}. Prefill the prompt cache with the same batch.")
             if not layer.is_initialized:
                 layer.lazy_initialization(source.keys[:, :, :0], source.values[:, :, :0])
+            # A pooled cache is already laid out: the prompt cache must match it (heads, head dims), as the model's
+            # own forwards would.
+            stored = (layer.keys.shape[2], layer.keys.shape[3], layer.values.shape[3])
+            given = (source.keys.shape[1], source.keys.shape[3], source.values.shape[3])
+            if stored != given:
+                raise ValueError(f"Layer {index} of `past_key_values` has (heads, key dim, value dim) {given}; this "
+                                 f"model's cache has {stored}.")
             positions = torch.arange(cached - held, cached, device=self.device)
             slots = positions[None, :] - left_pad[:, None]
             slots = torch.where(slots < 0, self.capacity, slots)  # pads go to the scratch slot, as in a prefill

@@ -15,6 +15,9 @@ over the Vegas cache, kernels and graphs (the dense baseline the benchmarks comp
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 from . import _compat, graphs, validation
@@ -26,6 +29,21 @@ from .ops import backend
 from .output import StepRecorder, VegasGenerateOutput
 from .sampling import accept_greedy, accept_sampling, choose
 from .stopping import ChunkStopper
+
+
+# Set by `checks_only`: `generate` runs every check, then returns before any forward.
+_CHECKS_ONLY: contextvars.ContextVar = contextvars.ContextVar("hf_vegas_checks_only", default=False)
+
+
+@contextlib.contextmanager
+def checks_only():
+    """Inside the block, `generate` validates its inputs (raising what it would raise) and returns without running
+    the model: the string entry point checks a call this way before token healing runs its own forwards."""
+    token = _CHECKS_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _CHECKS_ONLY.reset(token)
 
 
 @torch.no_grad()
@@ -83,6 +101,7 @@ def generate(
     inputs_embeds = model_kwargs.get("inputs_embeds")
     prompt = input_ids if inputs_embeds is None else inputs_embeds[..., 0]
     left_pad = validation.left_padding(prompt, model_kwargs.get("attention_mask"))
+    validation.check_position_ids(model_kwargs.get("position_ids"), left_pad, prompt.shape[1])
     prefix = validation.prompt_cache(model_kwargs.get("past_key_values"), prompt.shape[1])
     validation.check_streamer(streamer, input_ids.shape[0])
     backend_name = backend.resolve_backend(config.backend, input_ids.device, model.dtype)
@@ -95,6 +114,8 @@ def generate(
     # that ended keep being drafted and verified, gamma + 1 slots further, until the whole batch ends.
     capacity = int(real_len.max()) + max_new + 2 * config.gamma + 1
     validation.check_layers(model, capacity)
+    if _CHECKS_ONLY.get():
+        return input_ids
     pooled = graphs.cache_for(model, input_ids.shape[0], capacity, config, input_ids.device, backend_name)
     fusing = backend_name == "triton" and config.fuse_projections
     recorder = StepRecorder(

@@ -1,19 +1,17 @@
 """The string entry points: `custom_generate="vegas"` and the Hub-style `custom_generate/generate.py` shim.
 
 transformers resolves a string `custom_generate` to a `generate(model, **all_generate_arguments)` function that
-replaces `generate` entirely. `generate_from_name` is that function: it moves what a callable would lose (the
-tokenizer for stop strings) into explicit stopping criteria, then runs `model.generate` with the Vegas loop.
+replaces `generate` entirely. `generate_from_name` is that function: it hands on what a callable would lose (the
+tokenizer, for stop strings and token healing), then runs `model.generate` with the Vegas loop.
 transformers has no registry for bare names, so `enable_short_name` wraps `load_custom_generate` for "vegas" alone.
 """
 
 from __future__ import annotations
 
-import copy
-
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
-from .decoding import generate
+from .decoding import checks_only, generate
 
 SHORT_NAME = "vegas"
 
@@ -28,8 +26,8 @@ def generate_from_name(model, **generate_arguments):
         raise ValueError("hf_vegas drafts with the model itself: `assistant_model` cannot be combined with it.")
     if args.get("cache_implementation") == "paged":  # vanilla would hand the call to its continuous batching
         raise ValueError("`cache_implementation='paged'` (continuous batching) is not supported by hf_vegas.")
-    # A custom_generate callable never receives `tokenizer`, so what needs it happens here: token healing (before
-    # the loop, as vanilla heals before it decodes) and the stop-string criterion.
+    # A custom_generate callable never receives `tokenizer`, so what needs it happens here: token healing (before the
+    # loop, as vanilla heals before it decodes) and the stop-string criterion.
     tokenizer = args.pop("tokenizer", None)
     if _setting(model, args, "token_healing"):
         if tokenizer is None:
@@ -37,8 +35,12 @@ def generate_from_name(model, **generate_arguments):
         key = "input_ids" if args.get("input_ids") is not None else "inputs"
         if args.get(key) is None:
             raise ValueError("`token_healing=True` heals token ids: pass `input_ids`, not `inputs_embeds`.")
+        args["token_healing"] = False
+        # Healing runs a vanilla generate: every check of this call comes first, so bad input fails before it.
+        with checks_only():
+            unstreamed = {k: v for k, v in args.items() if k != "streamer"}
+            model.generate(custom_generate=generate, **_without_stop_strings(model, unstreamed))
         args[key] = model.heal_tokens(args[key], tokenizer)
-        _switch_off(model, args, "token_healing", False)
     stop_strings = _setting(model, args, "stop_strings")
     if stop_strings:
         if tokenizer is None:
@@ -46,26 +48,23 @@ def generate_from_name(model, **generate_arguments):
         criteria = StoppingCriteriaList(args.pop("stopping_criteria", None) or [])
         criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
         args["stopping_criteria"] = criteria
-        _switch_off(model, args, "stop_strings", None)
+        args["stop_strings"] = None
     return model.generate(custom_generate=generate, **args)
 
 
+def _without_stop_strings(model, args: dict) -> dict:
+    """`args` with stop strings off (a keyword overrides any generation config, whose None transformers would fill
+    from the model's): the checks need no tokenizer."""
+    return dict(args, stop_strings=None) if _setting(model, args, "stop_strings") else args
+
+
 def _setting(model, args: dict, field: str):
-    """A generation field as `generate` will see it: the keyword argument, else the passed or the model's config."""
+    """A generation field as `generate` will see it: the keyword argument, else the passed config's value, else (where
+    that is None, as transformers fills it) the model's."""
     if field in args:
         return args[field]
-    return getattr(args.get("generation_config") or model.generation_config, field, None)
-
-
-def _switch_off(model, args: dict, field: str, off) -> None:
-    """Turn `field` off for the inner `generate` call where it was set. A keyword argument wins over any generation
-    config, so only a field set in a config copies that config (a kwarg plus a config makes transformers warn)."""
-    if field in args:
-        args[field] = off
-    else:
-        config = copy.deepcopy(args.get("generation_config") or model.generation_config)
-        setattr(config, field, off)
-        args["generation_config"] = config
+    value = getattr(args.get("generation_config"), field, None)
+    return value if value is not None else getattr(model.generation_config, field, None)
 
 
 _original_load_custom_generate = GenerationMixin.load_custom_generate

@@ -6,6 +6,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
+from . import _compat
 from .cache import layer_types
 
 # What transformers' own preparation leaves in `model_kwargs` for a decoder-only model; anything else came from the
@@ -75,8 +76,8 @@ def check_layers(model, reach: int) -> None:
         window = getattr(text_config, "sliding_window", None)
         raise ValueError(
             f"hf_vegas drafts sparsely in full-attention layers, and every layer of this model attends through a "
-            f"sliding window of {window} positions, shorter than this generation's {reach} (longest prompt + "
-            "max_new_tokens + 2 * gamma + 1): drafts would be the model itself. Windows at least that long run as "
+            f"sliding window of {window} positions, shorter than this generation's {reach} (longest prompt without "
+            "padding + max_new_tokens + 2 * gamma + 1): drafts would be the model itself. Windows at least that long run as "
             "full attention; sparse drafting inside shorter windows is not supported yet."
         )
 
@@ -135,15 +136,39 @@ def check_model_kwargs(model_kwargs: dict) -> None:
         )
 
 
+def check_position_ids(position_ids: torch.Tensor | None, left_pad: torch.Tensor, prompt_length: int) -> None:
+    """hf_vegas numbers each row's real tokens from 0 after its left padding, as transformers' own `position_ids`
+    do; other `position_ids` would be ignored, so they are refused."""
+    if position_ids is None:
+        return
+    given = position_ids[..., :prompt_length].to(left_pad.device)
+    if given.shape[-1] != prompt_length:
+        raise ValueError(f"`position_ids` cover {given.shape[-1]} positions; the prompt has {prompt_length}.")
+    columns = torch.arange(prompt_length, device=left_pad.device)[None, :]
+    real = columns >= left_pad[:, None]
+    expected = columns - left_pad[:, None]
+    if not bool(((given == expected) | ~real).all()):
+        raise ValueError(
+            "Custom `position_ids` are not supported: hf_vegas numbers each row's tokens from 0 after its left "
+            "padding (the `position_ids` transformers derives from `attention_mask`). Remove them."
+        )
+
+
 def prompt_cache(cache, prompt_length: int) -> DynamicCache | None:
     """The user's prefilled prompt cache (`past_key_values=`), checked; None when none was passed.
 
     hf_vegas copies its keys and values into its own cache and prefills the rest of the prompt; the user's cache is
     left as it was (vanilla would extend it in place).
     """
-    # transformers builds an empty cache itself for `cache_implementation`: nothing to copy, whatever its type.
-    if cache is None or cache.get_seq_length() == 0:
+    if cache is None:
         return None
+    if cache.get_seq_length() == 0:
+        if _compat.is_user_cache(cache):  # vanilla would fill it for the caller; hf_vegas keeps its own cache
+            raise ValueError(
+                f"`past_key_values` is an empty {type(cache).__name__}: hf_vegas decodes in its own cache and would "
+                "not fill yours. Pass no cache, or a DynamicCache prefilled with the start of the prompt."
+            )
+        return None  # built by transformers for `cache_implementation`: nothing to copy
     if not isinstance(cache, DynamicCache):
         raise ValueError(
             f"`past_key_values` must be a prefilled DynamicCache (the prompt-reuse recipe), got {type(cache).__name__}: "

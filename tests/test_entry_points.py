@@ -134,11 +134,11 @@ def test_string_form_with_eos_none_matches_vanilla():
         assert torch.equal(model.generate(ids, **common, eos_token_id=None, custom_generate=custom, **SPARSE), free)
 
 
-@pytest.mark.parametrize("where", ["keyword", "generation_config"])
-def test_string_form_turns_stop_strings_off_where_they_were_set(monkeypatch, where):
-    """The string form builds the stop-string criterion itself (a callable never gets `tokenizer`) and turns the
-    field off for the inner call where the user set it: a keyword stays a keyword (adding a `generation_config` next
-    to keywords makes transformers warn on every call), a config gets a copy without it."""
+@pytest.mark.parametrize("where", ["keyword", "generation_config", "model_config"])
+def test_string_form_builds_the_stop_string_criterion_wherever_stop_strings_were_set(monkeypatch, where):
+    """The string form builds the stop-string criterion itself (a callable never gets `tokenizer`) from the stop
+    strings `generate` would use (a keyword, else the passed config, else the model's config, which transformers
+    fills into a passed config's None) and turns them off for the inner call with a keyword, which overrides all."""
     from transformers import GenerationConfig, StoppingCriteria
 
     from hf_vegas import names
@@ -161,13 +161,29 @@ def test_string_form_turns_stop_strings_off_where_they_were_set(monkeypatch, whe
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(type(model), "generate", spy)
-    given = dict(stop_strings=["x"]) if where == "keyword" else dict(
-        generation_config=GenerationConfig(stop_strings=["x"], max_new_tokens=3, pad_token_id=0))
-    names.generate_from_name(model, input_ids=ids, attention_mask=mask, tokenizer=object(), **given)
+    given = {"keyword": dict(stop_strings=["x"], max_new_tokens=3),
+             "generation_config": dict(generation_config=GenerationConfig(stop_strings=["x"], max_new_tokens=3)),
+             "model_config": dict(generation_config=GenerationConfig(max_new_tokens=3))}[where]
+    if where == "model_config":
+        monkeypatch.setattr(model.generation_config, "stop_strings", ["x"])
+    names.generate_from_name(model, input_ids=ids, attention_mask=mask, tokenizer=object(), pad_token_id=0, **given)
     criteria = [c for c in seen["stopping_criteria"] if isinstance(c, Never)]
     assert len(criteria) == 1 and criteria[0].stop_strings == ["x"]
-    if where == "keyword":
-        assert seen["stop_strings"] is None and "generation_config" not in seen
-    else:
-        assert "stop_strings" not in seen and seen["generation_config"].stop_strings is None
+    assert seen["stop_strings"] is None
+    if where == "generation_config":
         assert given["generation_config"].stop_strings == ["x"], "the user's config is left as it was"
+
+
+def test_token_healing_checks_the_call_before_healing_runs_its_forwards():
+    """Healing runs a vanilla generate; a call hf_vegas refuses must fail before it (here the tokenizer is never even
+    used)."""
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([20, 12])
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    for bad, named in ((dict(num_beams=2), "num_beams"), (dict(vegas_gamma=-1), "vegas_gamma"),
+                       (dict(guidance_scale=2.0), "guidance_scale")):
+        with pytest.raises(ValueError, match=named):
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, token_healing=True,
+                           tokenizer=object(), custom_generate="vegas", **bad)
+    assert forwards == []

@@ -234,3 +234,47 @@ def test_attention_sinks_are_refused_before_any_forward():
     with pytest.raises(ValueError, match="attention sinks"):
         model.generate(IDS, attention_mask=MASK, max_new_tokens=4, pad_token_id=0, custom_generate="vegas")
     assert forwards == []
+
+
+def test_an_empty_cache_the_user_passes_is_refused(model_and_counter):
+    """Vanilla fills a cache the caller passes; hf_vegas decodes in its own and would leave it empty."""
+    model, forwards = model_and_counter
+    with pytest.raises(ValueError, match="empty DynamicCache"):
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas",
+                       past_key_values=DynamicCache(config=model.config))
+    assert forwards == []
+
+
+def test_a_prompt_cache_of_another_batch_or_shape_is_refused(model_and_counter):
+    model, forwards = model_and_counter
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(IDS[:1, :8], past_key_values=cache)
+    forwards.clear()
+    with pytest.raises(ValueError, match="holds a batch of 1 rows; the prompt has 2"):
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas", past_key_values=cache)
+    assert forwards == []
+    # A cache already laid out (as a pooled one is) refuses a prompt cache of other heads.
+    from hf_vegas.cache import VegasCache
+
+    vegas = VegasCache(model.config, 1, 64, VegasConfig())
+    for layer in vegas.layers:
+        layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
+    other = DynamicCache(config=model.config)
+    other.update(torch.zeros(1, 4, 8, 16), torch.zeros(1, 4, 8, 16), 0)
+    for layer_idx in range(1, len(vegas.layers)):
+        other.update(torch.zeros(1, 4, 8, 16), torch.zeros(1, 4, 8, 16), layer_idx)
+    with pytest.raises(ValueError, match="has \\(heads, key dim, value dim\\) \\(4, 16, 16\\)"):
+        vegas.load_prefix(other, torch.zeros(1, dtype=torch.long))
+
+
+def test_custom_position_ids_are_refused_and_standard_ones_accepted(model_and_counter):
+    model, forwards = model_and_counter
+    standard = (MASK.cumsum(-1) - 1).clamp_min(0)
+    common = dict(attention_mask=MASK, max_new_tokens=5, pad_token_id=0)
+    assert torch.equal(model.generate(IDS, **common, position_ids=standard, custom_generate="vegas"),
+                       model.generate(IDS, **common, position_ids=standard))
+    forwards.clear()
+    with pytest.raises(ValueError, match="Custom `position_ids`"):
+        model.generate(IDS, **common, position_ids=standard * 3, custom_generate="vegas")
+    assert forwards == []
