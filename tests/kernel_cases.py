@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 NAN = float("nan")
 # Kernels run on the GPU when there is one, else on the CPU in Triton's interpreter (see conftest.py).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def import_kernels():
+    """`hf_vegas_kernels`, or a skip where Triton is not installed. Where it is, a kernel module that fails to import
+    fails the tests (a skip would hide a broken kernel behind dozens of quiet skips)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed on this platform", allow_module_level=True)
+    return importlib.import_module("hf_vegas_kernels")
 
 
 @dataclass

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hf_vegas.ops import reference
-from kernel_cases import DEVICE, dense_readable, make_case, poisoned, sparse_readable
+from kernel_cases import DEVICE, dense_readable, import_kernels, make_case, poisoned, sparse_readable
 
-kernels = pytest.importorskip("hf_vegas_kernels", reason="Triton is not installed on this platform")
+kernels = import_kernels()
 from hf_vegas_kernels import _launch  # noqa: E402
 
 # (head_dim, query heads, KV heads): GQA groups 1, 3, 4 and 8.

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from hf_vegas.ops import reference
-from kernel_cases import DEVICE
+from kernel_cases import DEVICE, import_kernels
 
-kernels = pytest.importorskip("hf_vegas_kernels", reason="Triton is not installed on this platform")
+kernels = import_kernels()
 
 
 @pytest.mark.parametrize("heads, head_dim, v_dim, tokens", [(3, 64, 64, 1), (1, 80, 48, 7), (5, 16, 16, 13)])

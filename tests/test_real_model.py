@@ -72,6 +72,18 @@ def test_sampling_runs_and_stays_in_the_top_p_set(smollm2):
     model, tokenizer = smollm2
     ids = long_prompt(tokenizer, 600)
     torch.manual_seed(0)
-    out = model.generate(ids.repeat(2, 1), max_new_tokens=24, do_sample=True, temperature=0.6, top_p=0.95,
-                         custom_generate="vegas", vegas_min_tokens=64, return_dict_in_generate=True)
+    batch = ids.repeat(2, 1)  # top_k=0: SmolLM2's generation config keeps the default top-k of 50, a second cut
+    out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=24, do_sample=True,
+                         temperature=0.6, top_p=0.95, top_k=0, custom_generate="vegas", vegas_min_tokens=64,
+                         return_dict_in_generate=True, output_scores=True, output_logits=True, eos_token_id=None)
     assert out.sequences.shape[0] == 2 and out.tokens_per_iteration > 1.0
+    scores = torch.stack(out.scores, dim=1)  # (2, 24, V): the processed scores each token was drawn from
+    chosen = scores.gather(-1, out.sequences[:, ids.shape[1]:, None]).squeeze(-1)
+    assert bool(torch.isfinite(chosen).all()), "every token lies in its step's kept set"
+    # The kept set is top-p's: the smallest set of most likely tokens whose probability (temperature 0.6) reaches 0.95.
+    probs = torch.softmax(torch.stack(out.logits, dim=1) / 0.6, dim=-1)
+    kept = torch.isfinite(scores)
+    mass = (probs * kept).sum(dim=-1)
+    least = torch.where(kept, probs, torch.ones_like(probs)).min(dim=-1).values
+    assert bool((mass >= 0.95 - 1e-4).all()) and bool((mass - least < 0.95 + 1e-4).all())
+    assert bool((kept.sum(dim=-1) < scores.shape[-1]).all()), "top-p removed tokens at every step"

@@ -8,7 +8,6 @@ negative control runs the same test with a wrong draft probability and must fail
 import pytest
 import torch
 
-import hf_vegas
 import hf_vegas.decoding as decoding
 from hf_vegas import sampling
 from tiny_models import tiny_model

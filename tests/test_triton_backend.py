@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from hf_vegas.ops.backend import resolve_backend
-from kernel_cases import DEVICE
+from kernel_cases import DEVICE, import_kernels
 from tiny_models import BUILDERS, generation_cache, ragged_batch, tiny_model
 
-pytest.importorskip("hf_vegas_kernels", reason="Triton is not installed on this platform")
+import_kernels()
 
 SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=8)
 # On the CPU every kernel launch runs in Triton's Python interpreter (~30 ms), so these end-to-end runs are short
