@@ -233,35 +233,6 @@ class VegasCache(Cache):
             self._start_forward(key_states.shape[2])
         return self.layers[layer_idx].update(key_states, value_states)
 
-    def load_prefix(self, prefix: Cache, left_pad: torch.Tensor) -> None:
-        """Copy a prefilled prompt cache (`(B, kv_heads, positions, head_dim)` per layer, left-padded like the prompt)
-        into the empty rows; a sliding layer may hold only its last positions. Sets each row's length."""
-        if len(prefix.layers) != len(self.layers):
-            raise ValueError(f"The prompt cache has {len(prefix.layers)} layers; this model has {len(self.layers)}.")
-        cached = prefix.get_seq_length()
-        for index, (layer, source) in enumerate(zip(self.layers, prefix.layers)):
-            held = source.keys.shape[2]
-            if held != cached and not layer.is_sliding:
-                raise ValueError(f"A full-attention layer of the prompt cache holds {held} of {cached} positions.")
-            if source.keys.shape[0] != self.batch_size_:
-                raise ValueError(f"`past_key_values` holds a batch of {source.keys.shape[0]} rows; the prompt has "
-                                 f"{self.batch_size_}. Prefill the prompt cache with the same batch.")
-            if not layer.is_initialized:
-                layer.lazy_initialization(source.keys[:, :, :0], source.values[:, :, :0])
-            # A pooled cache is already laid out: the prompt cache must match it (heads, head dims), as the model's
-            # own forwards would.
-            stored = (layer.keys.shape[2], layer.keys.shape[3], layer.values.shape[3])
-            given = (source.keys.shape[1], source.keys.shape[3], source.values.shape[3])
-            if stored != given:
-                raise ValueError(f"Layer {index} of `past_key_values` has (heads, key dim, value dim) {given}; this "
-                                 f"model's cache has {stored}.")
-            positions = torch.arange(cached - held, cached, device=self.device)
-            slots = positions[None, :] - left_pad[:, None]
-            slots = torch.where(slots < 0, self.capacity, slots)  # pads go to the scratch slot, as in a prefill
-            reference.write_kv(layer.keys, layer.values, source.keys.to(layer.device), source.values.to(layer.device),
-                               slots.to(layer.device))
-        self.lengths.copy_((cached - left_pad).clamp_min(0))
-
     def rollback(self, new_lengths: torch.Tensor) -> None:
         """Set each row's committed length (drops rejected draft tokens; their slots are overwritten later)."""
         self.lengths.copy_(new_lengths)

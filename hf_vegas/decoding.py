@@ -20,7 +20,7 @@ import contextvars
 
 import torch
 
-from . import _compat, graphs, validation
+from . import _compat, graphs, prompt_cache, validation
 from .attention import active_cache, select_from_rows, vegas_attention
 from .candidate import VegasCandidateGenerator
 from .config import VegasConfig, resolve_config
@@ -102,7 +102,7 @@ def generate(
     prompt = input_ids if inputs_embeds is None else inputs_embeds[..., 0]
     left_pad = validation.left_padding(prompt, model_kwargs.get("attention_mask"))
     validation.check_position_ids(model_kwargs.get("position_ids"), left_pad, prompt.shape[1])
-    prefix = validation.prompt_cache(model_kwargs.get("past_key_values"), prompt.shape[1])
+    prefix = prompt_cache.checked(model_kwargs.get("past_key_values"), prompt.shape[1])
     validation.check_streamer(streamer, input_ids.shape[0])
     backend_name = backend.resolve_backend(config.backend, input_ids.device, model.dtype)
 
@@ -186,7 +186,7 @@ class _Loop:
         cached = 0
         if prefix is not None:
             cached = prefix.get_seq_length()
-            self.cache.load_prefix(prefix, self.left_pad)
+            prompt_cache.load(self.cache, prefix, self.left_pad)
         remaining_pad = (self.left_pad - cached).clamp_min(0)
         logits = self.drafter.forward(prompt[:, cached:], logits_to_keep=1, mode="prefill", left_pad=remaining_pad)
         scores = self.drafter.pipeline(self.tokens, self.history, logits[:, -1])

@@ -35,10 +35,10 @@ class StepRecorder:
     Vanilla `generate` records one `(batch, vocab)` tensor per generated step. Vegas rows advance by chunks of
     different lengths, so each forward's candidate positions are kept with the count each row accepted, and the
     per-step tensors are gathered once at the end. A row that finished on EOS while others went on has no scores or
-    logits for the later steps: vanilla computes them by feeding pad tokens, hf_vegas runs no forward for the row. Those
-    steps hold a pad-certain row instead (0 at the pad token, -inf elsewhere), in `scores` and in `logits` alike, so
-    `compute_transition_scores` gives them 0 (vanilla gives the model's score of the pad token there). This is the one
-    place the output differs from vanilla's; the tokens and every live step's values are vanilla's.
+    logits for the later steps: vanilla computes them by feeding pad tokens, hf_vegas runs no forward for the row.
+    Those steps hold a pad-certain row instead (0 at the pad token, -inf elsewhere), in `scores` and `logits` alike,
+    so `compute_transition_scores` gives them 0 (vanilla gives the model's score of the pad token there). This is the
+    one place the output differs from vanilla's; the tokens and every live step's values are vanilla's.
     """
 
     def __init__(self, scores: bool, logits: bool):
@@ -58,7 +58,7 @@ class StepRecorder:
             return
         if self.want_scores:
             self.scores.append(scores[:, :width].clone())
-        if self.want_logits:  # in fp32, as vanilla returns them; copied: graph outputs are overwritten by the next step
+        if self.want_logits:  # fp32, as vanilla returns them; copied: the next graph replay overwrites its outputs
             self.logits.append(logits[:, :width].to(dtype=torch.float32, copy=True))
         self.kept.append(kept)
 

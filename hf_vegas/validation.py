@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
-from . import _compat
 from .cache import layer_types
 
 # What transformers' own preparation leaves in `model_kwargs` for a decoder-only model; anything else came from the
@@ -152,35 +150,6 @@ def check_position_ids(position_ids: torch.Tensor | None, left_pad: torch.Tensor
             "Custom `position_ids` are not supported: hf_vegas numbers each row's tokens from 0 after its left "
             "padding (the `position_ids` transformers derives from `attention_mask`). Remove them."
         )
-
-
-def prompt_cache(cache, prompt_length: int) -> DynamicCache | None:
-    """The user's prefilled prompt cache (`past_key_values=`), checked; None when none was passed.
-
-    hf_vegas copies its keys and values into its own cache and prefills the rest of the prompt; the user's cache is
-    left as it was (vanilla would extend it in place).
-    """
-    if cache is None:
-        return None
-    if cache.get_seq_length() == 0:
-        if _compat.is_user_cache(cache):  # vanilla would fill it for the caller; hf_vegas keeps its own cache
-            raise ValueError(
-                f"`past_key_values` is an empty {type(cache).__name__}: hf_vegas decodes in its own cache and would "
-                "not fill yours. Pass no cache, or a DynamicCache prefilled with the start of the prompt."
-            )
-        return None  # built by transformers for `cache_implementation`: nothing to copy
-    if not isinstance(cache, DynamicCache):
-        raise ValueError(
-            f"`past_key_values` must be a prefilled DynamicCache (the prompt-reuse recipe), got {type(cache).__name__}: "
-            "hf_vegas copies it into its own static cache. Remove it, or pass a DynamicCache."
-        )
-    cached = cache.get_seq_length()
-    if cached >= prompt_length:
-        raise ValueError(
-            f"`past_key_values` already holds {cached} positions but the prompt has {prompt_length}: pass the whole "
-            "prompt (cached part included) with at least one position the cache does not hold."
-        )
-    return cache
 
 
 def left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

@@ -255,6 +255,7 @@ def test_a_prompt_cache_of_another_batch_or_shape_is_refused(model_and_counter):
         model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas", past_key_values=cache)
     assert forwards == []
     # A cache already laid out (as a pooled one is) refuses a prompt cache of other heads.
+    from hf_vegas import prompt_cache
     from hf_vegas.cache import VegasCache
 
     vegas = VegasCache(model.config, 1, 64, VegasConfig())
@@ -265,7 +266,7 @@ def test_a_prompt_cache_of_another_batch_or_shape_is_refused(model_and_counter):
     for layer_idx in range(1, len(vegas.layers)):
         other.update(torch.zeros(1, 4, 8, 16), torch.zeros(1, 4, 8, 16), layer_idx)
     with pytest.raises(ValueError, match="has \\(heads, key dim, value dim\\) \\(4, 16, 16\\)"):
-        vegas.load_prefix(other, torch.zeros(1, dtype=torch.long))
+        prompt_cache.load(vegas, other, torch.zeros(1, dtype=torch.long))
 
 
 def test_custom_position_ids_are_refused_and_standard_ones_accepted(model_and_counter):
