@@ -13,11 +13,11 @@ PREPARED_MODEL_KWARGS = {
     "attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache", "inputs_embeds"
 }
 EMPTY_OK = {"mm_encoder_outputs"}
-MEDIA_INPUTS = {"mm_encoder_outputs", "pixel_values", "pixel_values_videos", "image_sizes", "input_features", "input_values",
-                "image_grid_thw", "video_grid_thw", "mm_token_type_ids"}
+MEDIA_INPUTS = {"mm_encoder_outputs", "pixel_values", "pixel_values_videos", "image_sizes", "input_features",
+                "input_values", "image_grid_thw", "video_grid_thw", "mm_token_type_ids"}
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
-# Fields that switch vanilla `generate` away from greedy decoding and sampling (see GenerationConfig.get_generation_mode).
+# Fields that switch vanilla `generate` away from greedy decoding and sampling (`get_generation_mode`).
 MODE_SWITCHES = (
     ("num_beams", lambda g: g.num_beams not in (None, 1)),
     ("constraints", lambda g: g.constraints is not None),
@@ -57,8 +57,8 @@ def check_model(model) -> None:
         )
     if any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()):
         raise ValueError(
-            f"{type(model).__name__} attends with learned attention sinks (gpt-oss), which hf_vegas's attention ops do "
-            "not support yet."
+            f"{type(model).__name__} attends with learned attention sinks (gpt-oss), which hf_vegas's attention ops "
+            "do not support yet."
         )
     if getattr(text_config, "use_bidirectional_attention", False):
         raise ValueError("hf_vegas needs causal attention; this config sets use_bidirectional_attention=True.")
@@ -75,8 +75,8 @@ def check_layers(model, reach: int) -> None:
         raise ValueError(
             f"hf_vegas drafts sparsely in full-attention layers, and every layer of this model attends through a "
             f"sliding window of {window} positions, shorter than this generation's {reach} (longest prompt without "
-            "padding + max_new_tokens + 2 * gamma + 1): drafts would be the model itself. Windows at least that long run as "
-            "full attention; sparse drafting inside shorter windows is not supported yet."
+            "padding + max_new_tokens + 2 * gamma + 1): drafts would be the model itself. Windows at least that long "
+            "run as full attention; sparse drafting inside shorter windows is not supported yet."
         )
 
 
