@@ -102,7 +102,7 @@ def generate(
     prompt = input_ids if inputs_embeds is None else inputs_embeds[..., 0]
     left_pad = validation.left_padding(prompt, model_kwargs.get("attention_mask"))
     validation.check_position_ids(model_kwargs.get("position_ids"), left_pad, prompt.shape[1])
-    prefix = prompt_cache.checked(model_kwargs.get("past_key_values"), prompt.shape[1])
+    prefix = prompt_cache.checked(model_kwargs.get("past_key_values"), prompt.shape[1], input_ids.shape[0])
     validation.check_streamer(streamer, input_ids.shape[0])
     backend_name = backend.resolve_backend(config.backend, input_ids.device, model.dtype)
 
@@ -141,9 +141,9 @@ def _finish(sequences, output, generation_config, streamer):
         streamer.end()
     if generation_config.return_dict_in_generate:
         if output is None:  # nothing to generate
-            empty = () if generation_config.output_scores else None
             output = VegasGenerateOutput(sequences=sequences, accepted=sequences.new_zeros(sequences.shape[0], 0),
-                                         scores=empty, logits=() if generation_config.output_logits else None)
+                                         scores=() if generation_config.output_scores else None,
+                                         logits=() if generation_config.output_logits else None)
         return output
     return sequences
 

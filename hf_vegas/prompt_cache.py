@@ -11,7 +11,7 @@ from .cache import VegasCache
 from .ops import reference
 
 
-def checked(cache, prompt_length: int) -> DynamicCache | None:
+def checked(cache, prompt_length: int, batch: int) -> DynamicCache | None:
     """The user's prefilled prompt cache (`past_key_values=`), checked; None when none was passed.
 
     hf_vegas copies its keys and values into its own cache and prefills the rest of the prompt; the user's cache is
@@ -31,6 +31,10 @@ def checked(cache, prompt_length: int) -> DynamicCache | None:
             f"`past_key_values` must be a prefilled DynamicCache (the prompt-reuse recipe), got "
             f"{type(cache).__name__}: hf_vegas copies it into its own static cache. Remove it, or pass a DynamicCache."
         )
+    rows = sorted({layer.keys.shape[0] for layer in cache.layers if getattr(layer, "keys", None) is not None})
+    if rows != [batch]:
+        raise ValueError(f"`past_key_values` holds a batch of {'/'.join(map(str, rows))} rows; the prompt has "
+                         f"{batch}. Prefill the prompt cache with the same batch.")
     cached = cache.get_seq_length()
     if cached >= prompt_length:
         raise ValueError(
@@ -50,9 +54,6 @@ def load(cache: VegasCache, prefix: Cache, left_pad: torch.Tensor) -> None:
         held = source.keys.shape[2]
         if held != cached and not layer.is_sliding:
             raise ValueError(f"A full-attention layer of the prompt cache holds {held} of {cached} positions.")
-        if source.keys.shape[0] != cache.batch_size_:
-            raise ValueError(f"`past_key_values` holds a batch of {source.keys.shape[0]} rows; the prompt has "
-                             f"{cache.batch_size_}. Prefill the prompt cache with the same batch.")
         if not layer.is_initialized:
             layer.lazy_initialization(source.keys[:, :, :0], source.values[:, :, :0])
         # A pooled cache is already laid out: the prompt cache must match it (heads, head dims), as the model's

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
 from .cache import layer_types
@@ -17,17 +19,11 @@ MEDIA_INPUTS = {"mm_encoder_outputs", "pixel_values", "pixel_values_videos", "im
                 "input_values", "image_grid_thw", "video_grid_thw", "mm_token_type_ids"}
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
-# Fields that switch vanilla `generate` away from greedy decoding and sampling (`get_generation_mode`).
-MODE_SWITCHES = (
-    ("num_beams", lambda g: g.num_beams not in (None, 1)),
-    ("constraints", lambda g: g.constraints is not None),
-    ("force_words_ids", lambda g: g.force_words_ids is not None),
-    ("penalty_alpha", lambda g: not g.do_sample and (g.penalty_alpha or 0) > 0 and (g.top_k or 0) > 1),
-    ("prompt_lookup_num_tokens", lambda g: g.prompt_lookup_num_tokens is not None),
-    ("assistant_early_exit", lambda g: g.assistant_early_exit is not None),
-    ("use_mtp", lambda g: bool(getattr(g, "use_mtp", None))),
-    ("dola_layers", lambda g: g.dola_layers is not None),
-)
+# The decoding mode is transformers' own (`GenerationConfig.get_generation_mode`); these are the fields that switch it
+# away from greedy decoding and sampling, named in the error when set.
+DECODING_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+MODE_FIELDS = ("num_beams", "num_beam_groups", "constraints", "force_words_ids", "penalty_alpha", "top_k",
+               "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "dola_layers")
 # `cache_implementation` values that only choose how vanilla stores its cache; the output does not depend on them.
 EQUIVALENT_CACHES = (None, "dynamic", "static")
 # Fields that change how vanilla runs (memory, compilation) in ways hf_vegas does not reproduce, with what to do.
@@ -82,12 +78,14 @@ def check_layers(model, reach: int) -> None:
 
 def check_generation_config(generation_config, logits_processor=None) -> None:
     """Refuse every generation option hf_vegas would otherwise ignore or run differently from vanilla `generate`."""
-    asked = [name for name, is_set in MODE_SWITCHES if is_set(generation_config)]
-    if asked:
-        mode = generation_config.get_generation_mode()
+    mode = generation_config.get_generation_mode()
+    if mode not in DECODING_MODES:
+        default = GenerationConfig()
+        asked = [f for f in MODE_FIELDS if getattr(generation_config, f, None) != getattr(default, f, None)]
         raise ValueError(
-            f"hf_vegas runs greedy decoding and sampling only; {', '.join(asked)} select(s) {mode.value!r}. "
-            "Remove them (hf_vegas drafts with the model itself: no beams, assistants, prompt lookup or DoLa)."
+            f"hf_vegas runs greedy decoding and sampling only; {', '.join(asked) or 'this config'} select(s) "
+            f"{mode.value!r}. Remove them (hf_vegas drafts with the model itself: no beams, assistants, prompt lookup "
+            "or DoLa)."
         )
     if generation_config.use_cache is False:
         raise ValueError("hf_vegas decodes from its own KV cache: `use_cache=False` is not supported.")

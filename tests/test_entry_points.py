@@ -101,6 +101,19 @@ def test_assisted_loop_refuses_what_it_cannot_do():
             assisted_generate(model, ids, max_new_tokens=4, **kwargs)
 
 
+def _spy_on_generate(monkeypatch, model) -> dict:
+    """The keyword arguments of the `model.generate` calls made from here on (the string form's inner call)."""
+    seen = {}
+    original = type(model).generate
+
+    def spy(self, *args, **kwargs):
+        seen.update(kwargs)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "generate", spy)
+    return seen
+
+
 def test_string_form_passes_explicit_none_and_falsy_arguments_unchanged(monkeypatch):
     """An explicit `None` overrides the model's generation config in vanilla `generate` (`eos_token_id=None` turns
     EOS off, `top_k=None` turns the default top-k of 50 off): the string form must hand every such value on."""
@@ -111,14 +124,7 @@ def test_string_form_passes_explicit_none_and_falsy_arguments_unchanged(monkeypa
     explicit = dict(eos_token_id=None, top_k=None, top_p=None, temperature=None, repetition_penalty=None,
                     no_repeat_ngram_size=0, min_new_tokens=0, do_sample=False, output_scores=False,
                     stop_strings=None, pad_token_id=0)
-    seen = {}
-    original = type(model).generate
-
-    def spy(self, *args, **kwargs):
-        seen.update(kwargs)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(model), "generate", spy)
+    seen = _spy_on_generate(monkeypatch, model)
     names.generate_from_name(model, input_ids=ids, attention_mask=mask, max_new_tokens=3, **explicit)
     for key, value in explicit.items():
         assert key in seen and seen[key] == value, key
@@ -157,14 +163,7 @@ def test_string_form_builds_the_stop_string_criterion_wherever_stop_strings_were
     monkeypatch.setattr(names, "StopStringCriteria", Never)
     model = tiny_model("llama")
     ids, mask = ragged_batch([20, 12])
-    seen = {}
-    original = type(model).generate
-
-    def spy(self, *args, **kwargs):
-        seen.update(kwargs)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(model), "generate", spy)
+    seen = _spy_on_generate(monkeypatch, model)
     given = {"keyword": dict(stop_strings=["x"], max_new_tokens=3),
              "generation_config": dict(generation_config=GenerationConfig(stop_strings=["x"], max_new_tokens=3)),
              "model_config": dict(generation_config=GenerationConfig(max_new_tokens=3))}[where]
