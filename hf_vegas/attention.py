@@ -16,7 +16,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .cache import VegasCache
 from .config import STREAMING_SINK_TOKENS
-from .ops import backend, prefill, reference
+from .ops import backend, eager, prefill, reference
 
 ATTN_NAME = "vegas"
 
@@ -71,13 +71,14 @@ def vegas_attention_forward(
             f"{'full' if full_layer else 'sliding'} attention: hf_vegas cannot tell which layers to sparsify."
         )
     kernels = _kernels_for(cache, query, key)
+    ops = eager if cache.eager_ops else reference
     # A layer may attend more than once per forward (DiffLlama: two value halves over the same keys and queries).
     # The scores depend on queries and keys only, so the layer selects at its first call.
     selecting = full_layer and cache.selecting and module.layer_idx not in cache.selected_layers
     if selecting:
         cache.selected_layers.add(module.layer_idx)
     if cache.mode == "draft" and full_layer:
-        draft_attention = kernels.sparse_draft_attention if kernels else reference.sparse_draft_attention
+        draft_attention = kernels.sparse_draft_attention if kernels else ops.sparse_draft_attention
         extra = dict(list_len=cache.draft_list_len) if kernels else {}
         out = draft_attention(
             query, key, value, cache.query_slots, cache.lengths,
@@ -93,7 +94,7 @@ def vegas_attention_forward(
         if cache.prefill_left_pad is not None and softcap is None and sliding_window is None:
             out = prefill.causal_per_row(query, key, value, cache.prefill_left_pad, scaling)
         else:
-            dense = kernels.dense_attention if kernels else reference.dense_attention
+            dense = kernels.dense_attention if kernels else ops.dense_attention
             out = dense(query, key, value, cache.query_slots, cache.lengths, scaling, sliding_window, softcap)
         if selecting:
             _select(cache, module.layer_idx, query, key, scaling, softcap)
@@ -153,7 +154,8 @@ def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap) -> 
         cache.store_selection(layer_idx, idx)
         return
     rows, q_slot = cache.score_rows, cache.query_slots
-    scores = reference.row_scores(
+    ops = eager if cache.eager_ops else reference
+    scores = ops.row_scores(
         query[:, :, rows], key, q_slot[:, rows], cache.lengths, cache.sel_end, scaling, config.score, softcap
     )
     if config.policy == "last_token" and cache.mode == "verify":

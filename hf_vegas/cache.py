@@ -2,7 +2,8 @@
 
 Layout. Every attention layer owns `keys`/`values` of shape `(batch, capacity + 1, kv_heads, head_dim)` ("NHD":
 one token's keys for all KV heads are contiguous, which is what a gather of selected tokens wants); `update` hands
-transformers the `(batch, kv_heads, slots, head_dim)` view it documents. Row `b` holds
+transformers the `(batch, kv_heads, slots, head_dim)` view it documents. On the CPU (`ops.eager`) the same view sits
+over heads-first storage, so a head's slots are contiguous for SDPA as in vanilla's cache. Row `b` holds
 its real tokens in slots `[0, lengths[b])`, with no padding: a token's slot is its position. The extra last slot is
 a scratch sink for the left-padding of a batched prefill.
 
@@ -47,13 +48,17 @@ class VegasLayer(CacheLayerMixin):
         batch, heads, _, head_dim = key_states.shape
         if batch != owner.batch_size_:
             raise ValueError(f"VegasCache was built for batch {owner.batch_size_}, got a forward of batch {batch}.")
-        shape = (batch, owner.capacity + 1, heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
-        self.values = torch.zeros(
-            (batch, owner.capacity + 1, heads, value_states.shape[-1]),
-            dtype=value_states.dtype,
-            device=value_states.device,
-        )
+        slots = owner.capacity + 1
+
+        def buffer(like: torch.Tensor) -> torch.Tensor:
+            if owner.eager_ops:
+                # Stored heads-first, `(B, H, S, D)`, behind the same `(B, S, H, D)` view: the CPU path reads a head's
+                # slots as one contiguous run, as SDPA and vanilla's cache do.
+                stored = torch.zeros(batch, heads, slots, like.shape[-1], dtype=like.dtype, device=like.device)
+                return stored.transpose(1, 2)
+            return torch.zeros(batch, slots, heads, like.shape[-1], dtype=like.dtype, device=like.device)
+
+        self.keys, self.values = buffer(key_states), buffer(value_states)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -119,6 +124,7 @@ class VegasCache(Cache):
         self.vegas_config = vegas_config
         self.backend = backend
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.eager_ops = uses_eager_ops(backend, self.device)
         long = dict(dtype=torch.long, device=self.device)
         self.row_index = torch.arange(batch_size, **long)
         self.lengths = torch.zeros(batch_size, **long)
@@ -295,6 +301,12 @@ class VegasCache(Cache):
     @property
     def batch_size(self) -> int:
         return self.batch_size_
+
+
+def uses_eager_ops(backend: str, device: torch.device) -> bool:
+    """Whether attention runs `ops.eager` (the CPU path: reads lengths on the host, gathers what a draft reads) rather
+    than `ops.reference` (shape-static, graph-safe) or the Triton kernels."""
+    return backend == "torch" and device.type == "cpu"
 
 
 def layer_types(text_config, reach: int | None = None) -> list[str]:

@@ -13,10 +13,15 @@ SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=8)
 SHAPES = {"batch1": [80], "ragged3": [80, 61, 37]}
 
 
+@pytest.mark.parametrize("ops", ["eager", "reference"])
 @pytest.mark.parametrize("gamma", [1, 4, 8])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("arch", list(BUILDERS))
-def test_greedy_matches_vanilla(arch, shape, gamma):
+def test_greedy_matches_vanilla(arch, shape, gamma, ops, monkeypatch):
+    """On the CPU the cache runs the eager ops (the CPU path); the reference ops, which the kernels and the GPU's
+    "torch" backend follow, are run here end to end too."""
+    if ops == "reference":
+        monkeypatch.setattr(hf_vegas.cache, "uses_eager_ops", lambda backend, device: False)
     model = tiny_model(arch)
     ids, mask = ragged_batch(SHAPES[shape])
     common = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
@@ -26,6 +31,7 @@ def test_greedy_matches_vanilla(arch, shape, gamma):
     )
     torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
     cache = out.past_key_values
+    assert cache.eager_ops == (ops == "eager")
     assert bool((cache.sel_count < cache.sel_end).all()), "the selection must drop tokens for this test to mean much"
     assert model.config._attn_implementation == "sdpa"
 

@@ -10,7 +10,7 @@ import torch
 from hf_vegas import VegasConfig
 from hf_vegas.attention import active_cache, vegas_attention_forward
 from hf_vegas.cache import VegasCache
-from hf_vegas.ops import reference
+from hf_vegas.ops import eager, reference
 from tiny_models import tiny_model
 
 
@@ -113,19 +113,19 @@ def test_sliding_layers_are_never_sparsified():
     """Gemma-3: only its full-attention layer gets a draft selection; sliding layers keep their window."""
     model = tiny_model("gemma3")
     calls = []
-    original = reference.sparse_draft_attention
+    original = eager.sparse_draft_attention  # the CPU path's draft attention
 
     def spy(*args, **kwargs):
         calls.append(True)
         return original(*args, **kwargs)
 
-    reference.sparse_draft_attention, restore = spy, original
+    eager.sparse_draft_attention, restore = spy, original
     try:
         ids = torch.randint(1, 128, (1, 60))
         out = model.generate(ids, max_new_tokens=6, do_sample=False, custom_generate="vegas", vegas_gamma=2,
                              vegas_min_tokens=4, return_dict_in_generate=True)
     finally:
-        reference.sparse_draft_attention = restore
+        eager.sparse_draft_attention = restore
     full_layers = model.config.layer_types.count("full_attention")
     draft_forwards = 2 * out.accepted.shape[1]
     assert len(calls) == full_layers * draft_forwards

@@ -1,0 +1,130 @@
+r"""The CPU path: the reference ops' semantics, reading only the slots a step needs.
+
+The reference ops (`reference.py`) attend over the whole preallocated buffer through a `(B, T, S)` mask. That keeps
+every shape static, which CUDA graphs need, but a "sparse" draft then reads every slot and a decode step reads the
+buffer's capacity. On the CPU nothing is captured and a row's length is already on the host, so these ops, with the
+same signatures and results:
+
+- attend over slots `[0, max(kv_len))` only, through SDPA without a mask when every query sees every slot (one
+  decode row, as vanilla `generate` runs it);
+- gather each draft row's selected slots and its tail into one short contiguous list, and attend to that: a draft
+  reads `budget + tail` slots per layer, not the whole prefix;
+- rate the verification's candidates over the valid slots, with grouped query heads multiplied against their shared
+  key head instead of a repeated copy of the keys.
+
+They read lengths on the host (`int(kv_len.max())`): free on the CPU, a synchronisation per layer on a GPU, so the
+cache uses them on the CPU only (`hf_vegas.cache.uses_eager_ops`). Tests: `tests/test_eager_ops.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+
+
+def _heads_first(cache: torch.Tensor, n: int) -> torch.Tensor:
+    """`(B, S, H, D)` cache -> `(B, H, n, D)` view of its first `n` slots."""
+    return cache[:, :n].transpose(1, 2)
+
+
+def _attend(q, k, v, visible, scaling: float, softcap: float | None) -> torch.Tensor:
+    """`q` `(B, Hq, T, D)` over `k`, `v` `(B, Hkv, N, D)`, `visible` `(B, T, N)` or None (all).
+    Returns `(B, T, Hq, Dv)`.
+
+    The `groups` query heads that share a key head attend as `groups * T` queries of that head: SDPA's grouped-query
+    mode on the CPU repeats the keys and values per query head, which costs a copy of both per layer.
+    """
+    batch, q_heads, tokens, _ = q.shape
+    kv_heads = k.shape[1]
+    groups = q_heads // kv_heads
+    grouped = q.reshape(batch, kv_heads, groups * tokens, q.shape[-1])
+    if visible is not None:  # (B, T, N) -> (B, 1, groups * T, N): every head of a group sees what its token sees
+        visible = visible[:, None].expand(batch, groups, tokens, -1).reshape(batch, 1, groups * tokens, -1)
+    if softcap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            grouped, k.to(q.dtype), v.to(q.dtype), attn_mask=visible, scale=scaling
+        )
+    else:
+        logits = _grouped_logits(q, k, scaling, softcap).view(batch, kv_heads, groups * tokens, -1)
+        if visible is not None:
+            logits = logits.masked_fill(~visible, float("-inf"))
+        out = torch.matmul(torch.softmax(logits, dim=-1), v.float()).to(q.dtype)
+    return out.view(batch, q_heads, tokens, -1).transpose(1, 2)
+
+
+def _grouped_logits(q, k, scaling: float, softcap: float | None) -> torch.Tensor:
+    """`(B, Hq, T, N)` fp32 logits; the `groups` query heads of a key head share one matmul with it (no key copies)."""
+    batch, q_heads, tokens, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.float().reshape(batch, kv_heads, (q_heads // kv_heads) * tokens, dim)
+    logits = torch.matmul(grouped, k.float().transpose(-1, -2)).view(batch, q_heads, tokens, -1) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _all_or_mask(visible: torch.Tensor) -> torch.Tensor | None:
+    return None if bool(visible.all()) else visible
+
+
+def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling: float, window=None, softcap=None):
+    """`reference.dense_attention` over slots `[0, max(kv_len))` only (a shorter row's slots past its length, and
+    those a window leaves, are read and masked out)."""
+    n = int(kv_len.max())
+    visible = _all_or_mask(reference._visible(q_slot, kv_len, n, window))
+    return _attend(q, _heads_first(k_cache, n), _heads_first(v_cache, n), visible, scaling, softcap)
+
+
+def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None):
+    """`reference.sparse_draft_attention`, reading only the selected slots and the tail, gathered per row."""
+    n = int(kv_len.max())
+    visible = reference.draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, n)  # (B, T, n)
+    batch, tokens, _ = visible.shape
+    seen = visible.any(dim=1)  # (B, n): the slots some query of the row attends to
+    counts = seen.sum(dim=1)
+    width = int(counts.max())
+    # Each row's seen slots in increasing order, left-aligned in a (B, width) list. A shorter row pads with its own
+    # first slot (masked out below): the op reads no slot the row does not see.
+    rows, cols = seen.nonzero(as_tuple=True)
+    starts = counts.cumsum(0) - counts
+    slots = cols[starts][:, None].repeat(1, width)
+    slots[rows, torch.arange(rows.numel(), device=cols.device) - starts[rows]] = cols
+    in_list = torch.arange(width, device=cols.device)[None, :] < counts[:, None]
+    if tokens == 1:  # the row's one query sees exactly its listed slots
+        listed = in_list[:, None, :]
+    else:
+        listed = visible.gather(2, slots[:, None, :].expand(batch, tokens, width)) & in_list[:, None, :]
+    k, v = _gather_slots(k_cache, slots, n), _gather_slots(v_cache, slots, n)
+    return _attend(q, k, v, _all_or_mask(listed), scaling, softcap)
+
+
+def _gather_slots(cache: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Tensor:
+    """`(B, H, width, D)`: row `b`'s slots `slots[b]` of a `(B, S, H, D)` cache, for every head."""
+    heads_first = cache.transpose(1, 2)  # (B, H, S, D)
+    batch, heads, num_slots, dim = heads_first.shape
+    width = slots.shape[1]
+    if heads_first.is_contiguous():  # the CPU cache's storage: one index_select over (B * H * S) rows of D
+        rows = (torch.arange(batch * heads, device=slots.device) * num_slots).view(batch, heads, 1)
+        flat = (rows + slots[:, None, :]).reshape(-1)
+        return heads_first.reshape(-1, dim).index_select(0, flat).view(batch, heads, width, dim)
+    index = slots[:, None, :, None].expand(batch, heads, width, dim)
+    return heads_first[:, :, :n].gather(2, index)
+
+
+def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: str, softcap=None):
+    """`reference.row_scores` over the valid slots: `(B, R, S)`, `-inf` outside the candidates."""
+    if score not in ("logits", "weights"):
+        raise ValueError(f"score must be 'logits' or 'weights', got {score!r}")
+    num_slots = k_cache.shape[1]
+    n = int(kv_len.max())
+    logits = _grouped_logits(q_rows, _heads_first(k_cache, n), scaling, softcap)  # (B, Hq, R, n)
+    visible = reference._visible(q_slot_rows, kv_len, n, None)[:, None]
+    if score == "weights":
+        values = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    else:
+        values = logits.masked_fill(~visible, 0.0)
+    mean = values.mean(dim=1)
+    outside = torch.arange(n, device=mean.device)[None, None, :] >= cand_end[:, None, None]
+    mean = mean.masked_fill(outside, float("-inf"))
+    return torch.nn.functional.pad(mean, (0, num_slots - n), value=float("-inf"))
