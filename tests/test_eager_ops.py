@@ -46,6 +46,20 @@ def test_sparse_draft_attention_reads_only_the_selection_and_tail(head_dim, q_he
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads_first", [True, False])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_one_row_one_query_draft_reads_only_the_selection_and_tail(softcap, heads_first):
+    """The CPU's usual draft (batch 1, one query) takes the mask-free list path; the same result and reads."""
+    case = make_case([97], [5], 1, 64, 9, 3, device="cpu")
+    args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling, softcap)
+    assert eager._one_query_list(case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end) is not None
+    expected = reference.sparse_draft_attention(case.q, case.k, case.v, *args)
+    k, v = (_layout(poisoned(c, sparse_readable(case)), heads_first) for c in (case.k, case.v))
+    got = eager.sparse_draft_attention(case.q, k, v, *args)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize("tokens", [1, 7])

@@ -78,6 +78,12 @@ def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling: float, window=
 
 def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None):
     """`reference.sparse_draft_attention`, reading only the selected slots and the tail, gathered per row."""
+    if q.shape[0] == 1 and q.shape[2] == 1:
+        slots = _one_query_list(q_slot, kv_len, sel_idx, sel_count, sel_end)
+        if slots is not None:
+            n = int(kv_len[0])
+            k, v = _gather_slots(k_cache, slots, n), _gather_slots(v_cache, slots, n)
+            return _attend(q, k, v, None, scaling, softcap)
     n = int(kv_len.max())
     visible = reference.draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, n)  # (B, T, n)
     batch, tokens, _ = visible.shape
@@ -97,6 +103,19 @@ def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_cou
         listed = visible.gather(2, slots[:, None, :].expand(batch, tokens, width)) & in_list[:, None, :]
     k, v = _gather_slots(k_cache, slots, n), _gather_slots(v_cache, slots, n)
     return _attend(q, k, v, _all_or_mask(listed), scaling, softcap)
+
+
+def _one_query_list(q_slot, kv_len, sel_idx, sel_count, sel_end) -> torch.Tensor | None:
+    """The usual CPU draft (one row, one query at the row's last slot) without a mask: its selection, then its tail.
+
+    Every policy selects distinct candidates below `sel_end`, so the list is the reference's visible set; None when
+    the query is elsewhere or a selected slot is not a candidate, and the general path decides.
+    """
+    length, count, end = int(kv_len[0]), int(sel_count[0]), int(sel_end[0])
+    chosen = sel_idx[0, :count]
+    if int(q_slot[0, 0]) != length - 1 or (count and int(chosen.max()) >= end) or (count and int(chosen.min()) < 0):
+        return None
+    return torch.cat([chosen, torch.arange(end, length, device=chosen.device)])[None]
 
 
 def _gather_slots(cache: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Tensor:
