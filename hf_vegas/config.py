@@ -7,6 +7,7 @@ arguments to `generate`; `resolve_config` merges the two (flat keys win) and rej
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,25 @@ FIELDS = tuple(f.name for f in dataclasses.fields(VegasConfig))
 SELECTION_FIELDS = ("sparsity", "min_tokens", "score", "policy")  # read only when drafting
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(VegasConfig)}
 FLAT_KEYS = tuple(f"vegas_{name}" for name in FIELDS)
+KEYS = ("vegas_config", *FLAT_KEYS)  # every `vegas_*` argument `generate` takes through hf_vegas
+
+
+def check_keys(keys) -> None:
+    """Raise a `ValueError` naming each of `keys` that is not a Vegas argument, with the closest one. The entry points
+    check the `vegas_*` keys of a call this way before transformers sees them: it would report a misspelt one only as
+    a model input the model does not use."""
+    unknown = sorted(k for k in keys if k not in KEYS)
+    if unknown:
+        raise ValueError(f"Unknown Vegas argument(s) {_with_suggestions(unknown, KEYS)}. Allowed: {list(KEYS)}.")
+
+
+def _with_suggestions(names: list[str], allowed) -> str:
+    """`'vegas_gama' (did you mean 'vegas_gamma'?), 'vegas_x'`: each name with its closest allowed one, if any."""
+    described = []
+    for name in names:
+        close = difflib.get_close_matches(name, allowed, n=1)
+        described.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    return ", ".join(described)
 
 
 def resolve_config(vegas_config: VegasConfig | dict | None = None, **flat: Any) -> VegasConfig:
@@ -127,11 +147,7 @@ def resolve_config(vegas_config: VegasConfig | dict | None = None, **flat: Any) 
     Flat keys set to `None` are treated as not given. Unknown `vegas_*` keys raise a `ValueError` naming them and
     listing the allowed keys.
     """
-    unknown = sorted(k for k in flat if k not in FLAT_KEYS)
-    if unknown:
-        raise ValueError(
-            f"Unknown Vegas argument(s) {unknown}. Allowed: {['vegas_config', *FLAT_KEYS]}."
-        )
+    check_keys(flat)
     if vegas_config is None:
         base = VegasConfig()
     elif isinstance(vegas_config, VegasConfig):
@@ -139,7 +155,9 @@ def resolve_config(vegas_config: VegasConfig | dict | None = None, **flat: Any) 
     elif isinstance(vegas_config, dict):
         bad = sorted(set(vegas_config) - set(FIELDS))
         if bad:
-            raise ValueError(f"Unknown `vegas_config` field(s) {bad}. Allowed: {list(FIELDS)}.")
+            raise ValueError(
+                f"Unknown `vegas_config` field(s) {_with_suggestions(bad, FIELDS)}. Allowed: {list(FIELDS)}."
+            )
         base = VegasConfig(**vegas_config)
     else:
         raise TypeError(

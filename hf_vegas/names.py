@@ -1,27 +1,33 @@
-"""The string entry points: `custom_generate="vegas"` and the Hub-style `custom_generate/generate.py` shim.
+"""The string entry points: `custom_generate="vegas"` and the Hub folder's `generate.py` (see `hf_vegas.hub`).
 
 transformers resolves a string `custom_generate` to a `generate(model, **all_generate_arguments)` function that
 replaces `generate` entirely. `generate_from_name` is that function: it hands on what a callable would lose (the
 tokenizer, for stop strings and token healing), then runs `model.generate` with the Vegas loop.
 transformers has no registry for bare names, so `enable_short_name` wraps `load_custom_generate` for "vegas" alone.
+`enable_key_check` makes a misspelt `vegas_*` key of the callable form an error that names hf_vegas's keys.
 """
 
 from __future__ import annotations
 
+import copy
+
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
+from .config import check_keys
 from .decoding import checks_only, generate
 
 SHORT_NAME = "vegas"
 
 
 def generate_from_name(model, **generate_arguments):
-    """Full-replacement `generate` for `custom_generate="vegas"` and the Hub shim. Same arguments as `generate`."""
+    """Full-replacement `generate` for `custom_generate="vegas"` and the Hub folder. Same arguments as `generate`."""
     # Every argument goes on as the user gave it: an explicit `None` (`eos_token_id=None`, `top_k=None`) overrides the
     # model's generation config in vanilla `generate`, so dropping it would change the output. The named parameters
     # of `generate` arrive as None when unset, which is their default anyway.
     args = dict(generate_arguments)
+    # The inner call would reach transformers' check of unused model inputs, which names a misspelt key as one.
+    check_keys(k for k in args if k.startswith("vegas_"))
     if args.get("assistant_model") is not None:
         raise ValueError("hf_vegas drafts with the model itself: `assistant_model` cannot be combined with it.")
     if args.get("cache_implementation") == "paged":  # vanilla would hand the call to its continuous batching
@@ -35,7 +41,7 @@ def generate_from_name(model, **generate_arguments):
         key = "input_ids" if args.get("input_ids") is not None else "inputs"
         if args.get(key) is None:
             raise ValueError("`token_healing=True` heals token ids: pass `input_ids`, not `inputs_embeds`.")
-        args["token_healing"] = False
+        args = _turned_off(model, args, "token_healing", False)
         # Healing runs a vanilla generate: every check of this call comes first, so bad input fails before it.
         with checks_only():
             unstreamed = {k: v for k, v in args.items() if k != "streamer"}
@@ -48,14 +54,29 @@ def generate_from_name(model, **generate_arguments):
         criteria = StoppingCriteriaList(args.pop("stopping_criteria", None) or [])
         criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
         args["stopping_criteria"] = criteria
-        args["stop_strings"] = None
+        args = _turned_off(model, args, "stop_strings", None)
     return model.generate(custom_generate=generate, **args)
 
 
 def _without_stop_strings(model, args: dict) -> dict:
-    """`args` with stop strings off (a keyword overrides any generation config, whose None transformers would fill
-    from the model's): the checks need no tokenizer."""
-    return dict(args, stop_strings=None) if _setting(model, args, "stop_strings") else args
+    """`args` with stop strings off: the checks need no tokenizer."""
+    return _turned_off(model, args, "stop_strings", None) if _setting(model, args, "stop_strings") else args
+
+
+def _turned_off(model, args: dict, field: str, off) -> dict:
+    """`args` with the generation field `field` set to `off` for the inner `generate` call.
+
+    A keyword overrides every config, but beside a passed `generation_config` transformers warns that mixing the two
+    is deprecated; so where the user passed a config (and not the field as a keyword), a copy of it carries `off`
+    instead. The one case only a keyword can do: `off` is None and the model's config sets the field, as transformers
+    fills a passed config's None from the model's.
+    """
+    config = args.get("generation_config")
+    if config is None or field in args or (off is None and getattr(model.generation_config, field, None) is not None):
+        return dict(args, **{field: off})
+    config = copy.deepcopy(config)  # the user's config is left as it was
+    setattr(config, field, off)
+    return dict(args, generation_config=config)
 
 
 def _setting(model, args: dict, field: str):
@@ -76,6 +97,34 @@ def _load_custom_generate(self, pretrained_model_name_or_path=None, trust_remote
     return _original_load_custom_generate(
         self, pretrained_model_name_or_path, trust_remote_code=trust_remote_code, **kwargs
     )
+
+
+_original_validate_model_kwargs = GenerationMixin._validate_model_kwargs
+
+
+def _validate_model_kwargs(self, model_kwargs):
+    # transformers runs this check before it calls a custom_generate callable; a `vegas_*` key it refuses was not
+    # consumed by hf_vegas: misspelt (the callable's signature takes only the known keys) or given without hf_vegas.
+    try:
+        return _original_validate_model_kwargs(self, model_kwargs)
+    except ValueError as error:
+        vegas = sorted(k for k, v in model_kwargs.items() if k.startswith("vegas_") and v is not None)
+        if not vegas:
+            raise
+        try:
+            check_keys(vegas)  # a misspelt key, named with the closest known one
+        except ValueError as unknown:
+            raise unknown from error
+        raise ValueError(
+            f"The hf_vegas argument(s) {vegas} take effect only with `custom_generate=\"vegas\"` (after `import "
+            "hf_vegas`) or `custom_generate=hf_vegas.generate`; this `generate` call uses neither."
+        ) from error
+
+
+def enable_key_check() -> None:
+    """Make a `vegas_*` key that transformers refuses an error naming hf_vegas's keys (idempotent; done by
+    `import hf_vegas`). It changes only the message of an error transformers raises anyway."""
+    GenerationMixin._validate_model_kwargs = _validate_model_kwargs
 
 
 def enable_short_name() -> None:

@@ -1,16 +1,15 @@
 """The three ways in (callable, "vegas", Hub-style folder), HF's own assisted loop, streaming and outputs."""
 
-from pathlib import Path
-
 import pytest
 import torch
+from transformers import StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
 import hf_vegas
 from hf_vegas.assisted import assisted_generate
+from hub_folder import hub_folder
 from tiny_models import ragged_batch, tiny_model
 
-HUB_FOLDER = Path(__file__).resolve().parents[1] / "examples" / "hub"
 SPARSE = dict(vegas_gamma=4, vegas_sparsity=0.1, vegas_min_tokens=8)
 
 
@@ -21,7 +20,7 @@ def test_three_entry_points_agree_with_vanilla():
     expected = model.generate(ids, **common)
     assert torch.equal(model.generate(ids, **common, custom_generate=hf_vegas.generate, **SPARSE), expected)
     assert torch.equal(model.generate(ids, **common, custom_generate="vegas", **SPARSE), expected)
-    hub = model.generate(ids, **common, custom_generate=str(HUB_FOLDER), trust_remote_code=True, **SPARSE)
+    hub = model.generate(ids, **common, custom_generate=hub_folder(), trust_remote_code=True, **SPARSE)
     assert torch.equal(hub, expected)
     config = hf_vegas.VegasConfig(gamma=4, sparsity=0.1, min_tokens=8)
     assert torch.equal(model.generate(ids, **common, custom_generate="vegas", vegas_config=config), expected)
@@ -144,23 +143,27 @@ def test_string_form_with_eos_none_matches_vanilla():
         assert torch.equal(model.generate(ids, **common, eos_token_id=None, custom_generate=custom, **SPARSE), free)
 
 
+class NeverStop(StoppingCriteria):
+    """Stands in for `StopStringCriteria` (which needs a real tokenizer): records the stop strings, never stops."""
+
+    def __init__(self, tokenizer, stop_strings):
+        self.stop_strings = stop_strings
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
 @pytest.mark.parametrize("where", ["keyword", "generation_config", "model_config"])
 def test_string_form_builds_the_stop_string_criterion_wherever_stop_strings_were_set(monkeypatch, where):
     """The string form builds the stop-string criterion itself (a callable never gets `tokenizer`) from the stop
     strings `generate` would use (a keyword, else the passed config, else the model's config, which transformers
-    fills into a passed config's None) and turns them off for the inner call with a keyword, which overrides all."""
-    from transformers import GenerationConfig, StoppingCriteria
+    fills into a passed config's None) and turns them off for the inner call: in a copy of the passed config, or
+    with a keyword where the user gave one or where only a keyword can (the model's config sets them)."""
+    from transformers import GenerationConfig
 
     from hf_vegas import names
 
-    class Never(StoppingCriteria):
-        def __init__(self, tokenizer, stop_strings):
-            self.stop_strings = stop_strings
-
-        def __call__(self, input_ids, scores, **kwargs):
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-    monkeypatch.setattr(names, "StopStringCriteria", Never)
+    monkeypatch.setattr(names, "StopStringCriteria", NeverStop)
     model = tiny_model("llama")
     ids, mask = ragged_batch([20, 12])
     seen = _spy_on_generate(monkeypatch, model)
@@ -170,11 +173,34 @@ def test_string_form_builds_the_stop_string_criterion_wherever_stop_strings_were
     if where == "model_config":
         monkeypatch.setattr(model.generation_config, "stop_strings", ["x"])
     names.generate_from_name(model, input_ids=ids, attention_mask=mask, tokenizer=object(), pad_token_id=0, **given)
-    criteria = [c for c in seen["stopping_criteria"] if isinstance(c, Never)]
+    criteria = [c for c in seen["stopping_criteria"] if isinstance(c, NeverStop)]
     assert len(criteria) == 1 and criteria[0].stop_strings == ["x"]
-    assert seen["stop_strings"] is None
     if where == "generation_config":
+        assert "stop_strings" not in seen and seen["generation_config"].stop_strings is None
         assert given["generation_config"].stop_strings == ["x"], "the user's config is left as it was"
+    else:
+        assert seen["stop_strings"] is None
+
+
+def test_string_form_adds_no_generation_keyword_beside_a_passed_generation_config(monkeypatch):
+    """Turning the stop strings off for the inner call with a keyword, beside the user's `generation_config`, made
+    transformers warn that mixing a config and generation keywords is deprecated: on a call that mixed nothing."""
+    from transformers import GenerationConfig
+    from transformers.generation import utils as generation_utils
+
+    from hf_vegas import names
+
+    monkeypatch.setattr(names, "StopStringCriteria", NeverStop)
+    warned = []  # every call, where transformers' `warning_once` would hide a repeat of an earlier test's warning
+    monkeypatch.setattr(generation_utils.logger, "warning_once", lambda message, *a, **k: warned.append(message))
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([20, 12])
+    config = GenerationConfig(stop_strings=["x"], max_new_tokens=3, pad_token_id=0)
+    out = model.generate(ids, attention_mask=mask, tokenizer=object(), custom_generate="vegas",
+                         generation_config=config)
+    assert out.shape == (2, 23)
+    assert [m for m in warned if "generation_config" in m] == []
+    assert config.stop_strings == ["x"]
 
 
 def test_token_healing_checks_the_call_before_healing_runs_its_forwards():

@@ -72,12 +72,26 @@ def test_paged_cache_is_refused_by_the_string_form(model_and_counter):
     assert forwards == []
 
 
-def test_unknown_vegas_key_is_an_error(model_and_counter):
+@pytest.mark.parametrize("entry", ["callable", "short_name"])
+def test_misspelt_vegas_key_is_named_with_the_closest_key(model_and_counter, entry):
+    """transformers would name the key only as a model input the model does not use (its check runs before a
+    callable is called); hf_vegas names it with the closest key and lists the allowed ones."""
     model, forwards = model_and_counter
-    with pytest.raises(ValueError, match="vegas_gama"):  # ours, listing the allowed keys
-        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas", vegas_gama=3)
-    with pytest.raises(ValueError, match="vegas_gama"):  # transformers' unused-model-kwargs check
-        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate=hf_vegas.generate, vegas_gama=3)
+    custom = hf_vegas.generate if entry == "callable" else "vegas"
+    with pytest.raises(ValueError) as raised:
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate=custom, vegas_gama=3)
+    message = str(raised.value)
+    assert "'vegas_gama' (did you mean 'vegas_gamma'?)" in message
+    assert "'vegas_sparsity'" in message and "'vegas_config'" in message and "model_kwargs" not in message
+    assert forwards == []
+
+
+def test_vegas_key_without_hf_vegas_says_which_custom_generate_reads_it(model_and_counter):
+    model, forwards = model_and_counter
+    with pytest.raises(ValueError, match='take effect only with `custom_generate="vegas"`'):
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, vegas_gamma=3)
+    with pytest.raises(ValueError, match="model_kwargs"):  # other unused inputs keep transformers' message
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, gamma=3)
     assert forwards == []
 
 

@@ -1,15 +1,13 @@
 """The proof on a real trained model: SmolLM2-135M-Instruct (GGUF from PyPI), CPU, fp32."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import TextStreamer
 
 import hf_vegas
 from hf_vegas.real_models import long_prompt
+from hub_folder import hub_folder
 
-HUB_FOLDER = Path(__file__).resolve().parents[1] / "examples" / "hub"
 pytestmark = pytest.mark.slow
 
 
@@ -61,7 +59,7 @@ def test_token_healing_matches_vanilla(smollm2):
     assert not torch.equal(expected, model.generate(**ids, **common)), "healing must change this prompt's output"
     out = model.generate(**ids, **common, token_healing=True, custom_generate="vegas", vegas_min_tokens=8)
     assert torch.equal(out, expected)
-    hub = model.generate(**ids, **common, token_healing=True, custom_generate=str(HUB_FOLDER), trust_remote_code=True,
+    hub = model.generate(**ids, **common, token_healing=True, custom_generate=hub_folder(), trust_remote_code=True,
                          vegas_min_tokens=8)
     assert torch.equal(hub, expected)
     with pytest.raises(ValueError, match="token healing"):

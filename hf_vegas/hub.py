@@ -1,0 +1,325 @@
+"""`python -m hf_vegas.hub export DIR`: a Hub `custom_generate` folder that runs without hf_vegas installed.
+
+transformers (5.17 to 5.23 alike) loads a repository's `custom_generate/generate.py` with its dynamic-module loader
+(`transformers.dynamic_module_utils`), which
+- copies (local folder) or downloads (Hub) only the files that `from .<file> import` lines name, found by a regular
+  expression over each file's text and followed from file to file, each as `custom_generate/<file>.py`: it has no
+  notion of sub-packages, `from . import <module>` or `from ..<module> import`;
+- refuses the folder unless every package a fetched file imports at its top level is installed.
+
+So the folder holds the hf_vegas modules `generate_from_name` needs, flat and otherwise unchanged: only their relative
+import statements are rewritten, mechanically (`hf_vegas/ops/backend.py` becomes `ops_backend.py`,
+`from .ops import backend` becomes `from . import ops_backend as backend`, `from ..config import` becomes
+`from .config import`), and `generate.py` names every file in a `from .<file> import` line that the loader reads and
+Python never runs. The package's `__init__` is left out: it patches transformers for the short name, which loading a
+Hub folder must not do.
+
+The Triton kernels (`hf_vegas_kernels`) are not copied: every kernel file imports `triton` at its top level, so the
+loader would refuse the whole folder on a machine without Triton. The folder's `vegas_backend="auto"` uses them where
+`hf_vegas_kernels` is importable, and the plain-PyTorch ops elsewhere (the same tokens; slower on CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import re
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+
+from .config import VegasConfig
+
+SOURCE = Path(__file__).resolve().parent
+ENTRY = ("names",)  # `generate_from_name`: the string form's full replacement of `generate`
+# What the folder's code imports at its top level. One comparison per line: transformers' requirements check reads
+# `name<op>version` and would keep only the first bound of `transformers>=5.17,<6`. Same bounds as pyproject.toml.
+REQUIREMENTS = ("transformers>=5.17", "torch>=2.5")
+COMMAND = "python -m hf_vegas.hub export"
+
+
+class ExportError(RuntimeError):
+    """hf_vegas's code has an import the flat export cannot rewrite mechanically."""
+
+
+def export_hub_folder(directory, overwrite: bool = False) -> Path:
+    """Write the Hub folder into `directory`: `README.md` and `custom_generate/` (`generate.py`, `requirements.txt` and
+    the hf_vegas modules it needs). Load it with `model.generate(..., custom_generate=str(directory),
+    trust_remote_code=True)`, or upload `directory` as a Hub repository.
+
+    `overwrite=True` replaces an existing `custom_generate/` and `README.md` (a previous export); otherwise their
+    presence is an error. Returns `directory`.
+    """
+    directory = Path(directory)
+    code, readme = directory / "custom_generate", directory / "README.md"
+    existing = [str(path) for path in (code, readme) if path.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{existing} already exist(s); pass overwrite=True (--force) to replace them.")
+    modules = _closure()
+    files = {_flat(module): _rewrite(module) for module in modules}
+    if len(files) != len(modules) or "generate" in files:
+        raise ExportError(f"flat module names collide: {sorted(_flat(m) for m in modules)}")
+    if code.exists():
+        shutil.rmtree(code)
+    code.mkdir(parents=True)
+    for name, text in files.items():
+        (code / f"{name}.py").write_text(text, encoding="utf-8")
+    (code / "generate.py").write_text(_generate_py(sorted(files)), encoding="utf-8")
+    (code / "requirements.txt").write_text(_requirements_txt(), encoding="utf-8")
+    readme.write_text(_readme(), encoding="utf-8")
+    return directory
+
+
+def _file(module: tuple[str, ...]) -> Path:
+    return SOURCE.joinpath(*module).with_suffix(".py")
+
+
+def _is_package(module: tuple[str, ...]) -> bool:
+    return (SOURCE.joinpath(*module) / "__init__.py").is_file()
+
+
+def _flat(module: tuple[str, ...]) -> str:
+    return "_".join(module)
+
+
+def _imported(module: tuple[str, ...], node: ast.ImportFrom) -> tuple[list[tuple[str, ...]], bool]:
+    """The hf_vegas modules a relative `from` import in `module` reads, and whether they are submodules it binds by
+    name (`from .ops import backend`) rather than one module whose names it imports (`from .config import X`)."""
+    package = module[:-1]
+    if node.level - 1 > len(package):
+        raise ExportError(f"{_file(module)}: line {node.lineno} imports from above the hf_vegas package.")
+    base = package[: len(package) - (node.level - 1)]
+    target = base + tuple(node.module.split(".")) if node.module else base
+    if not _is_package(target):
+        if not _file(target).is_file():
+            raise ExportError(f"{_file(module)}: line {node.lineno} imports {'.'.join(target)}, which has no file.")
+        return [target], False
+    submodules = [target + (alias.name,) for alias in node.names]
+    for submodule in submodules:
+        if not _file(submodule).is_file():  # a name defined in the package's `__init__`, or `*`
+            raise ExportError(
+                f"{_file(module)}: line {node.lineno} imports {submodule[-1]!r} from the package "
+                f"{'.'.join(('hf_vegas', *target))}; the flat export can rewrite only imports of its submodules."
+            )
+    return submodules, True
+
+
+def _parse(module: tuple[str, ...]) -> tuple[str, ast.Module]:
+    source = _file(module).read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module]
+        if any(name == "hf_vegas" or name.startswith("hf_vegas.") for name in names):
+            raise ExportError(f"{_file(module)}: line {node.lineno} imports hf_vegas by its absolute name.")
+    return source, tree
+
+
+def _closure() -> list[tuple[str, ...]]:
+    """Every hf_vegas module the entry point imports, directly or not, through relative imports."""
+    seen, pending = set(), [ENTRY]
+    while pending:
+        module = pending.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        _, tree = _parse(module)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                pending.extend(_imported(module, node)[0])
+    return sorted(seen)
+
+
+def _rewrite(module: tuple[str, ...]) -> str:
+    """`module`'s source with each relative import statement rewritten for the flat folder; nothing else changes."""
+    source, tree = _parse(module)
+    data = source.encode("utf-8")  # ast's column offsets count UTF-8 bytes
+    line_starts = [0]
+    for line in data.splitlines(keepends=True):
+        line_starts.append(line_starts[-1] + len(line))
+    edits = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.ImportFrom) and node.level > 0):
+            continue
+        targets, submodules = _imported(module, node)
+        start = line_starts[node.lineno - 1] + node.col_offset
+        end = line_starts[node.end_lineno - 1] + node.end_col_offset
+        statement = data[start:end].decode("utf-8")
+        if submodules:
+            bound = []
+            for target, alias in zip(targets, node.names):
+                name = alias.asname or alias.name
+                bound.append(_flat(target) if name == _flat(target) else f"{_flat(target)} as {name}")
+            new = f"from . import {', '.join(bound)}"
+            if node.col_offset + len(new) > 119:
+                new = "from . import (\n" + "".join(f"{' ' * (node.col_offset + 4)}{b},\n" for b in bound)
+                new += " " * node.col_offset + ")"
+        else:
+            new = re.sub(r"^from\s+[.\w]+\s+import", f"from .{_flat(targets[0])} import", statement, count=1)
+        edits.append((start, end, new.encode("utf-8")))
+    for start, end, new in sorted(edits, reverse=True):
+        data = data[:start] + new + data[end:]
+    header = (
+        f"# hf_vegas/{_file(module).relative_to(SOURCE).as_posix()}, copied by `{COMMAND}` with its relative imports "
+        "rewritten for this flat folder.\n"
+    )
+    return header + data.decode("utf-8")
+
+
+def _generate_py(files: list[str]) -> str:
+    manifest = "\n".join(f"    from .{name} import *  # noqa: F401,F403" for name in files)
+    return f'''"""Vegas self-speculative decoding as a Hub `custom_generate`:
+`model.generate(..., custom_generate="<org>/vegas", trust_remote_code=True)`, or this folder's path.
+
+Exported by `{COMMAND}`: the other files here are hf_vegas's own modules, copied with
+their relative imports rewritten for this flat folder. They need only transformers and torch (requirements.txt).
+"""
+
+from typing import TYPE_CHECKING
+
+from .names import generate_from_name
+
+if TYPE_CHECKING:
+    # Never runs. transformers' loader copies (or downloads from the Hub) only the files named by `from .<file>
+    # import` lines; the modules below import each other with `from . import <file>` too, which it does not read.
+{manifest}
+
+
+def generate(model, **generate_arguments):
+    """Full replacement of `generate`: the same arguments, plus the `vegas_*` ones (README.md)."""
+    return generate_from_name(model, **generate_arguments)
+'''
+
+
+def _requirements_txt() -> str:
+    return "\n".join([
+        *REQUIREMENTS,
+        "# Optional, on CUDA: the Triton kernels (`hf_vegas_kernels`, with `triton`). Without them the folder",
+        "# runs the plain-PyTorch ops: the same tokens, slower.",
+        "",
+    ])
+
+
+def _default(value) -> str:
+    return f'`"{value}"`' if isinstance(value, str) else f"`{value}`" if isinstance(value, bool) else str(value)
+
+
+def _arguments() -> str:
+    """The `vegas_*` arguments: name, type and default from `VegasConfig`'s fields, meaning from its docstring."""
+    doc = inspect.cleandoc(VegasConfig.__doc__)
+    entries = dict(re.findall(r"^    (\w+) \(.*\):\n((?:        .*\n?)+)", doc, re.MULTILINE))
+    items = []
+    for field in dataclasses.fields(VegasConfig):
+        if field.name not in entries:
+            raise ExportError(f"VegasConfig's docstring does not describe `{field.name}`.")
+        meaning = " ".join(entries[field.name].split())
+        default = _default(field.default)
+        items.append(f"`vegas_{field.name}` (`{field.type}`, *optional*, defaults to {default}): {meaning}")
+    items.append(
+        '`vegas_config` (`dict`, *optional*): the fields above at once, by name without `vegas_` (`{"gamma": 4}`); '
+        "flat keys win. An unknown `vegas_*` key is an error naming the allowed ones. References to "
+        "`hf_vegas.<module>` above name the module of that name in `custom_generate/`."
+    )
+    return "\n".join(_wrapped(f"- {item}", indent="  ") for item in items)
+
+
+def _wrapped(text: str, indent: str = "") -> str:
+    """`text` wrapped at 119 columns, never inside a `code span` (markdown would read the break as a space there)."""
+    glued = re.sub(r"`[^`]*`", lambda span: span.group().replace(" ", "\0"), text)
+    return textwrap.fill(glued, width=119, subsequent_indent=indent, break_on_hyphens=False).replace("\0", " ")
+
+
+def _readme() -> str:
+    return f"""---
+library_name: transformers
+tags:
+  - custom_generate
+---
+
+<!-- Written by `{COMMAND}`; edit hf_vegas/hub.py, not this file. -->
+
+## Description
+Vegas self-speculative decoding (Yue, Xue, Huang, *Vegas: Self-Speculative Decoding with Verification-Guided Sparse
+Attention*, ICML 2026, arXiv 2602.07223). Each iteration the model drafts `gamma` tokens with itself, its
+full-attention layers reading only the KV entries the previous verification found critical, then verifies the drafts
+with full attention in one forward. No draft model, no training: greedy output is token-identical to vanilla greedy
+`generate`, and sampling keeps vanilla's distribution (speculative sampling with the real draft probabilities).
+
+{_wrapped(
+    "This folder is self-contained: `custom_generate/` holds a copy of the decoding code of the `hf_vegas` package "
+    f"(exported by `{COMMAND}`), so it needs only `{'` and `'.join(REQUIREMENTS)}`; `hf_vegas` need not be installed."
+)}
+
+## Base model
+Any decoder-only model whose attention goes through transformers' `AttentionInterface` (Llama, SmolLM2, Mistral,
+Qwen3, Gemma-3, Phi-3, DeepSeek-V2/V3 and others).
+
+## Model compatibility
+- Decoder-only models; batches of any size, left-padded (`tokenizer(..., padding_side="left")`).
+- Greedy decoding and sampling with every standard logits processor, stopping criteria and stop strings, streamers
+  (batch 1), `output_scores` / `output_logits`, `inputs_embeds`, and a prefilled `DynamicCache` prompt cache.
+- Sliding-window layers keep their window; layers with recurrent or linear attention, attention sinks, image inputs,
+  beam search and the other decoding modes are refused before any forward pass, with the argument named.
+
+## Additional Arguments
+{_arguments()}
+
+## Output Type changes
+With `return_dict_in_generate=True` the output is a `VegasGenerateOutput`: the usual fields (`sequences`, and
+`scores` / `logits` with `output_scores` / `output_logits`), plus `accepted` (draft tokens accepted per row and
+iteration, `-1` once a row has finished) and `tokens_per_iteration`. `past_key_values` is the generation's own cache,
+or None when it was kept for the next call (CUDA graphs).
+
+## Example usage
+```python
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+tokenizer = AutoTokenizer.from_pretrained(model_id)
+model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.bfloat16).to("cuda").eval()
+
+prompts = ["A long document ... Summarize it.", "Another long document ... What is its main point?"]
+inputs = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(model.device)
+out = model.generate(
+    **inputs,
+    custom_generate="<org>/vegas",  # this repository, or the path of this folder
+    trust_remote_code=True,
+    max_new_tokens=256,
+    do_sample=False,
+    vegas_gamma=6,
+)
+print(tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+```
+
+Speculation pays where the KV cache dominates a decoding step: long prompts and large batches. At short prompts or
+batch 1, `vegas_gamma=0` (plain decoding over the same static cache and CUDA graphs) is the faster choice.
+
+## Kernels
+On CUDA, `vegas_backend="auto"` runs the Triton kernels of `hf_vegas_kernels` when that package is importable
+(it comes with the `hf_vegas` package, in its `kernels/` folder). They are not part of this folder, whose loading
+would otherwise require `triton` everywhere; without them the plain-PyTorch ops run: the same tokens, slower.
+"""
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hf_vegas.hub", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser("export", help="write a self-contained Hub custom_generate folder")
+    export.add_argument("directory", type=Path, help="where to write README.md and custom_generate/")
+    export.add_argument("--force", action="store_true", help="replace custom_generate/ and README.md if present")
+    args = parser.parse_args(argv)
+    directory = export_hub_folder(args.directory, overwrite=args.force)
+    print(
+        f"Wrote {directory}. Load it with model.generate(..., custom_generate={str(directory)!r}, "
+        "trust_remote_code=True), or upload the folder as a Hub repository."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
