@@ -60,6 +60,31 @@ def test_one_row_one_query_draft_reads_only_the_selection_and_tail(softcap, head
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_one_query_list_falls_back_when_its_preconditions_fail():
+    """A selection that is not a candidate, or `sel_end` past the length, takes the general (mask) path."""
+    case = make_case([60], [4], 1, 32, 4, 2, device="cpu")
+    args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count)
+    past = case.sel_idx.clone()
+    past[0, 0] = int(case.sel_end[0])  # a slot of the tail, not a candidate
+    assert eager._one_query_list(case.q_slot, case.kv_len, past, case.sel_count, case.sel_end) is None
+    assert eager._one_query_list(*args, case.kv_len + 1) is None
+    expected = reference.sparse_draft_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, past,
+                                                case.sel_count, case.sel_end, case.scaling)
+    got = eager.sparse_draft_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, past, case.sel_count,
+                                       case.sel_end, case.scaling)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [eager.GROUPED_MAX_TOKENS + 1])
+def test_long_masked_forward_equals_the_reference(tokens):
+    """A prefill after a prompt cache (many queries, a mask): the grouped-query SDPA path."""
+    case = make_case([tokens + 30, tokens + 9], [0, 0], tokens, 32, 6, 2, device="cpu")
+    args = (case.q_slot, case.kv_len, case.scaling, None, None)
+    k, v = (_layout(_stale(c, case, dense_readable(case)), True) for c in (case.k, case.v))
+    torch.testing.assert_close(eager.dense_attention(case.q, k, v, *args),
+                               reference.dense_attention(case.q, case.k, case.v, *args), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize("tokens", [1, 7])

@@ -36,6 +36,24 @@ def test_greedy_matches_vanilla(arch, shape, gamma, ops, monkeypatch):
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("policy", ["vegas", "streaming", "last_token"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_eager_ops_draft_and_select_as_the_reference_does(arch, policy, shape, monkeypatch):
+    """Greedy output cannot tell a wrong draft or selection op apart (verification corrects any draft); the accepted
+    counts can: the CPU path accepts exactly the drafts the reference ops do."""
+    model = tiny_model(arch)
+    ids, mask = ragged_batch(SHAPES[shape])
+    common = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, custom_generate="vegas",
+                  vegas_gamma=4, vegas_policy=policy, return_dict_in_generate=True, **SPARSE)
+    eager_out = model.generate(ids, **common)
+    monkeypatch.setattr(hf_vegas.cache, "uses_eager_ops", lambda backend, device: False)
+    reference_out = model.generate(ids, **common)
+    assert eager_out.past_key_values.eager_ops and not reference_out.past_key_values.eager_ops
+    assert torch.equal(eager_out.accepted, reference_out.accepted)
+    assert bool(((eager_out.accepted >= 0) & (eager_out.accepted < 4)).any()), "some drafts must be rejected"
+
+
 @pytest.mark.parametrize("entry", ["callable", "short_name"])
 @pytest.mark.parametrize("arch", list(MORE_BUILDERS))
 def test_more_architectures_greedy_match_vanilla(arch, entry):

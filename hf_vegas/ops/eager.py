@@ -22,6 +22,9 @@ import torch
 
 from . import reference
 
+# Forwards of at most this many tokens run grouped query heads (see `_attend`): decode, draft and verify steps.
+GROUPED_MAX_TOKENS = 64
+
 
 def _heads_first(cache: torch.Tensor, n: int) -> torch.Tensor:
     """`(B, S, H, D)` cache -> `(B, H, n, D)` view of its first `n` slots."""
@@ -32,12 +35,19 @@ def _attend(q, k, v, visible, scaling: float, softcap: float | None) -> torch.Te
     """`q` `(B, Hq, T, D)` over `k`, `v` `(B, Hkv, N, D)`, `visible` `(B, T, N)` or None (all).
     Returns `(B, T, Hq, Dv)`.
 
-    The `groups` query heads that share a key head attend as `groups * T` queries of that head: SDPA's grouped-query
-    mode on the CPU repeats the keys and values per query head, which costs a copy of both per layer.
+    Decode, draft and verify forwards (a few queries) run the `groups` query heads that share a key head as
+    `groups * T` queries of that head: SDPA's grouped-query mode on the CPU repeats the keys and values per query
+    head, a copy of both per layer. Longer masked forwards (a prefill after a prompt cache, sliding or soft-capped
+    layers in a prefill) keep the grouped-query mode, whose `(B, 1, T, N)` mask is `groups` times smaller.
     """
     batch, q_heads, tokens, _ = q.shape
     kv_heads = k.shape[1]
     groups = q_heads // kv_heads
+    if visible is not None and tokens > GROUPED_MAX_TOKENS and softcap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible[:, None], scale=scaling, enable_gqa=groups > 1
+        )
+        return out.transpose(1, 2)
     grouped = q.reshape(batch, kv_heads, groups * tokens, q.shape[-1])
     if visible is not None:  # (B, T, N) -> (B, 1, groups * T, N): every head of a group sees what its token sees
         visible = visible[:, None].expand(batch, groups, tokens, -1).reshape(batch, 1, groups * tokens, -1)
@@ -108,12 +118,14 @@ def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_cou
 def _one_query_list(q_slot, kv_len, sel_idx, sel_count, sel_end) -> torch.Tensor | None:
     """The usual CPU draft (one row, one query at the row's last slot) without a mask: its selection, then its tail.
 
-    Every policy selects distinct candidates below `sel_end`, so the list is the reference's visible set; None when
-    the query is elsewhere or a selected slot is not a candidate, and the general path decides.
+    Every policy selects distinct candidates (top-k, or StreamingLLM's sinks and recent slots), so with the selected
+    slots below `sel_end <= kv_len` the list is the reference's visible set. None when the query is elsewhere,
+    `sel_end > kv_len` or a selected slot is not a candidate: the general path decides.
     """
     length, count, end = int(kv_len[0]), int(sel_count[0]), int(sel_end[0])
     chosen = sel_idx[0, :count]
-    if int(q_slot[0, 0]) != length - 1 or (count and int(chosen.max()) >= end) or (count and int(chosen.min()) < 0):
+    outside = bool(count) and not 0 <= int(chosen.min()) <= int(chosen.max()) < end
+    if int(q_slot[0, 0]) != length - 1 or end > length or outside:
         return None
     return torch.cat([chosen, torch.arange(end, length, device=chosen.device)])[None]
 
