@@ -15,7 +15,6 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from .cache import VegasCache
-from .config import STREAMING_SINK_TOKENS
 from .ops import backend, eager, prefill, reference
 
 ATTN_NAME = "vegas"
@@ -121,7 +120,7 @@ def _select_from_emitted(cache: VegasCache, kernels, layer_idx: int, emitted, ls
     Each layer's scores wait in an `(L, B, S)` scratch; at the last full layer all of them select in one launch.
     """
     config = cache.vegas_config
-    if config.policy == "last_token" and cache.mode == "verify":  # every row's scores, until acceptance
+    if cache.policy.deferred(cache.mode):  # every scored row's scores, until acceptance
         cache.row_scores[layer_idx] = kernels.finalize_scores(
             emitted, lse, cache.score_rows, cache.sel_end, q_heads, config.score == "weights", mean_rows=False
         )
@@ -149,16 +148,16 @@ def _flush_emitted(cache: VegasCache, layer_idx: int) -> None:
 def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap) -> None:
     """Choose the next draft's slots for this layer from this prefill/verify forward (no host sync)."""
     config = cache.vegas_config
-    if cache.score_rows is None:  # streaming: positions only
-        idx = reference.streaming_select(cache.sel_count, cache.sel_end, cache.max_selected, STREAMING_SINK_TOKENS)
-        cache.store_selection(layer_idx, idx)
+    if cache.score_rows is None:  # a policy that selects by position alone
+        cache.store_selection(layer_idx, cache.policy.select_by_position(cache.sel_count, cache.sel_end,
+                                                                         cache.max_selected))
         return
     rows, q_slot = cache.score_rows, cache.query_slots
     ops = eager if cache.eager_ops else reference
     scores = ops.row_scores(
         query[:, :, rows], key, q_slot[:, rows], cache.lengths, cache.sel_end, scaling, config.score, softcap
     )
-    if config.policy == "last_token" and cache.mode == "verify":
+    if cache.policy.deferred(cache.mode):
         cache.row_scores[layer_idx] = scores
         return
     cache.store_selection(layer_idx, reference.select_topk(scores.mean(dim=1), cache.max_selected))
@@ -166,7 +165,7 @@ def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap) -> 
 
 
 def select_from_rows(cache: VegasCache, rows: torch.Tensor) -> None:
-    """`last_token` policy: select, per row `b`, from the scores of verify row `rows[b]`."""
+    """A deferring policy (`last_token`): select, per row `b`, from the scores of verify row `rows[b]`."""
     for layer_idx, scores in cache.row_scores.items():
         picked = scores[cache.row_index, rows]  # (B, S)
         if cache.backend == "triton":

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import selection
 from .config import VegasConfig
 from .ops import backend, reference
 
@@ -122,6 +123,7 @@ class VegasCache(Cache):
         self.batch_size_ = batch_size
         self.capacity = capacity
         self.vegas_config = vegas_config
+        self.policy = selection.policy(vegas_config.policy)
         self.backend = backend
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.eager_ops = uses_eager_ops(backend, self.device)
@@ -149,7 +151,7 @@ class VegasCache(Cache):
         self.sel_count = torch.zeros(batch_size, **long)
         self.sel_end = torch.zeros(batch_size, **long)
         self.has_selection = False
-        # `last_token` policy: head-averaged scores of every verify row, selected after acceptance.
+        # A deferring policy (`last_token`): head-averaged scores of every scored verify row, until acceptance.
         self.row_scores: dict[int, torch.Tensor] = {}
         self._layer_scores: torch.Tensor | None = None
         # Full-attention layers: the ones that draft sparsely and select (sliding-window layers keep their window).
@@ -217,20 +219,14 @@ class VegasCache(Cache):
         else:
             self.sel_end.copy_(self.write_start + pending_row + 1)
         self.sel_count.copy_(budget_tensor(self.sel_end, self.vegas_config))
-        if self.vegas_config.policy != "streaming":
-            self.score_rows = self._score_rows(num_tokens, pending_row)
+        self.score_rows = self._score_rows(num_tokens, pending_row)
 
-    def _score_rows(self, num_tokens: int, pending_row: int) -> torch.Tensor:
-        """The query rows whose scores choose the selection (a host list made a device tensor once per shape)."""
+    def _score_rows(self, num_tokens: int, pending_row: int) -> torch.Tensor | None:
+        """The query rows the policy's scores come from, or None (a host list made a device tensor once per shape)."""
         key = (self.mode, num_tokens)
         if key not in self._score_rows_by_shape:
-            if self.mode == "prefill":
-                rows = [num_tokens - 1]
-            elif self.vegas_config.policy == "last_token":  # every row, until acceptance says which one to use
-                rows = list(range(pending_row, num_tokens))
-            else:  # Collect-2-Query: the first draft row (the pending token's) and the bonus row
-                rows = sorted({pending_row, num_tokens - 1})
-            self._score_rows_by_shape[key] = torch.tensor(rows, device=self.device)
+            rows = self.policy.score_rows(self.mode, num_tokens, pending_row)
+            self._score_rows_by_shape[key] = None if rows is None else torch.tensor(rows, device=self.device)
         return self._score_rows_by_shape[key]
 
     @torch.compiler.disable  # host-side layout logic at layer 0: compiled steps (`vegas_compile`) call it eagerly

@@ -12,12 +12,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SCORES = ("logits", "weights")
-POLICIES = ("vegas", "streaming", "last_token")
-BACKENDS = ("torch", "triton", "auto")
+from . import selection
 
-# Sink size of the `streaming` baseline (StreamingLLM keeps a few "attention sink" tokens at the start).
-STREAMING_SINK_TOKENS = 4
+SCORES = ("logits", "weights")
+POLICIES = tuple(selection.POLICIES)  # one class per policy in `hf_vegas.selection`
+BACKENDS = ("torch", "triton", "auto")
 
 
 @dataclass(frozen=True)

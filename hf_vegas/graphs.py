@@ -30,6 +30,7 @@ import weakref
 
 import torch
 
+from . import selection
 from .cache import VegasCache, layer_types
 from .config import VegasConfig
 
@@ -148,9 +149,7 @@ def no_graph_reason(config: VegasConfig, device: torch.device) -> str | None:
         return "vegas_cuda_graphs=False"
     if torch.device(device).type != "cuda":
         return f"CUDA graphs need a CUDA device, the model is on {torch.device(device).type}"
-    if config.policy == "last_token":
-        return "policy 'last_token' selects after acceptance, outside the captured verify forward"
-    return None
+    return selection.policy(config.policy).no_graph_reason
 
 
 @contextlib.contextmanager

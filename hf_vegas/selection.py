@@ -1,0 +1,76 @@
+"""Draft-selection policies: which prefix slots the next draft reads. One class per policy.
+
+After a prefill or a verification, every full-attention layer keeps `sel_count[b]` of the candidate slots
+`[0, sel_end[b])` of row `b` (the budget is the same for every policy, `VegasConfig.budget`); the next draft attends
+to those plus every slot from `sel_end[b]` on. A policy says how that choice is made, by answering what the cache and
+the attention function ask:
+
+- `score_rows(mode, num_tokens, pending_row)`: the query rows of a prefill/verify forward whose attention scores it
+  ranks the candidates by (head-averaged logits or softmax weights, `VegasConfig.score`, then the mean over the
+  rows); None when it selects from positions alone (`select_by_position` is then called instead);
+- `deferred(mode)`: whether it keeps each scored row's scores until acceptance says which row to use (the loop then
+  calls `attention.select_from_rows` with the kept row of each sequence);
+- `no_graph_reason`: why its steps cannot be captured as CUDA graphs, or None.
+
+A new policy is a new class in `POLICIES`; `VegasConfig(policy=...)` accepts its name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import reference
+
+
+class Collect2Query:
+    """Vegas (paper §3.2): the first draft row (the pending token's) and the bonus row of the verification."""
+
+    name = "vegas"
+    no_graph_reason = None
+
+    def score_rows(self, mode: str, num_tokens: int, pending_row: int) -> list[int] | None:
+        return [num_tokens - 1] if mode == "prefill" else sorted({pending_row, num_tokens - 1})
+
+    def deferred(self, mode: str) -> bool:
+        return False
+
+
+class LastToken:
+    """SpecExtend-style baseline: the verification row of each sequence's last accepted token, known only after
+    acceptance, so every row from the pending token's on is scored and the choice waits."""
+
+    name = "last_token"
+    no_graph_reason = "policy 'last_token' selects after acceptance, outside the captured verify forward"
+
+    def score_rows(self, mode: str, num_tokens: int, pending_row: int) -> list[int] | None:
+        return [num_tokens - 1] if mode == "prefill" else list(range(pending_row, num_tokens))
+
+    def deferred(self, mode: str) -> bool:
+        return mode == "verify"
+
+
+class Streaming:
+    """StreamingLLM baseline: a few attention-sink slots at the start plus the most recent candidates."""
+
+    name = "streaming"
+    no_graph_reason = None
+    sink_tokens = 4
+
+    def score_rows(self, mode: str, num_tokens: int, pending_row: int) -> list[int] | None:
+        return None
+
+    def deferred(self, mode: str) -> bool:
+        return False
+
+    def select_by_position(self, sel_count: torch.Tensor, sel_end: torch.Tensor, k_max: int) -> torch.Tensor:
+        return reference.streaming_select(sel_count, sel_end, k_max, self.sink_tokens)
+
+
+POLICIES = {policy.name: policy for policy in (Collect2Query(), Streaming(), LastToken())}
+
+
+def policy(name: str):
+    """The policy called `name` (one of `POLICIES`)."""
+    if name not in POLICIES:
+        raise ValueError(f"policy must be one of {list(POLICIES)}, got {name!r}")
+    return POLICIES[name]
