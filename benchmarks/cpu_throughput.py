@@ -19,6 +19,7 @@ model does not see; the records hold the measured step times too. Records go to 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import platform
 import re
@@ -31,7 +32,7 @@ from tqdm.auto import tqdm
 
 import hf_vegas
 import traffic
-from provenance import commit
+from provenance import commit, dirty
 from results_io import append_records
 
 METHODS = ("vanilla", "dense", "vegas")
@@ -91,14 +92,17 @@ def prompts(tokenizer, texts, batch: int, num_tokens: int) -> tuple[torch.Tensor
     return ids, mask
 
 
+def method_config(method: str) -> hf_vegas.VegasConfig | None:
+    """What hf_vegas runs for `method` (None: vanilla); the records hold it."""
+    return {"vanilla": None, "dense": hf_vegas.VegasConfig(gamma=0), "vegas": hf_vegas.VegasConfig()}[method]
+
+
 def run(model, ids, mask, new_tokens: int, method: str) -> tuple[dict, torch.Tensor]:
     clock = FirstTokenClock()
     kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                   stopping_criteria=transformers.StoppingCriteriaList([clock]))
     if method != "vanilla":
-        kwargs.update(custom_generate="vegas", return_dict_in_generate=True)
-        if method == "dense":
-            kwargs.update(vegas_gamma=0)
+        kwargs.update(custom_generate="vegas", return_dict_in_generate=True, vegas_config=method_config(method))
     start = time.perf_counter()
     out = model.generate(ids, **kwargs)
     end = time.perf_counter()
@@ -137,7 +141,14 @@ def main() -> None:
     bandwidth = read_bandwidth()
     base = dict(device="cpu", cpu=cpu_name(), cores=os.cpu_count(), threads=args.threads, torch=torch.__version__,
                 transformers=transformers.__version__, hf_vegas=hf_vegas.__version__, commit=args.commit or commit(),
+                dirty=dirty(), python=platform.python_version(), platform=platform.platform(),
+                time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                corpus=args.data_files or "python docs (pydoc_data)", text_column=args.text_column,
                 model="smollm2", dtype="float32", decoding="greedy", read_bandwidth_GBps=bandwidth / 1e9)
+    # One short call per method first: one-time costs (lazy imports, first allocations) stay out of the timings.
+    warm_ids, warm_mask = prompts(tokenizer, texts, 1, 64)
+    for method in args.methods:
+        run(model, warm_ids, warm_mask, 4, method)
     records = []
     jobs = [(w, m) for w in plan for m in args.methods]
     bar = tqdm(jobs, desc="cpu throughput", dynamic_ncols=True, disable=args.no_progress)
@@ -146,9 +157,10 @@ def main() -> None:
         bar.set_postfix_str(f"{batch}x{prompt_tokens} {method}")
         ids, mask = prompts(tokenizer, texts, batch, prompt_tokens)
         measured, sequences = run(model, ids, mask, args.new_tokens, method)
-        record = dict(base, batch=batch, prompt_tokens=int(mask.sum(dim=1).max()), method=method,
-                      config=hf_vegas.VegasConfig(gamma=0 if method == "dense" else 6).to_dict()
-                      if method != "vanilla" else {}, **measured)
+        config = method_config(method)
+        record = dict(base, batch=batch, prompt_tokens=int(mask.sum(dim=1).max()),
+                      row_prompt_tokens=mask.sum(dim=1).tolist(), method=method,
+                      config=config.to_dict() if config else {}, **measured)
         record["tokens_per_s"] = batch * (args.new_tokens - 1) / record["decode_seconds"]
         record["step_ms"] = record["decode_seconds"] / (record.get("iterations") or args.new_tokens - 1) * 1e3
         _add_bound(record, model, args.new_tokens, bandwidth)
@@ -167,7 +179,7 @@ def _add_bound(record: dict, model, new_tokens: int, bandwidth: float) -> None:
     """Traffic bound at the mean context of the decode (prompt + half the new tokens)."""
     context, batch = record["prompt_tokens"] + new_tokens // 2, record["batch"]
     if record["method"] == "vegas":
-        config = hf_vegas.VegasConfig()
+        config = method_config("vegas")
         step_bytes = traffic.vegas_iteration_bytes(model, batch, context, config)
         tokens = batch * record["tokens_per_iteration"]
     else:

@@ -15,6 +15,16 @@ def commit() -> str:
         return "unknown"
 
 
+def dirty() -> bool | None:
+    """Whether the checkout has uncommitted changes to tracked files (None outside a git checkout)."""
+    try:
+        out = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], text=True,
+                                      stderr=subprocess.DEVNULL)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return bool(out.strip())
+
+
 def gpu_run(commit_arg: str | None = None, **extra) -> dict:
     """What every GPU benchmark record starts with: the GPU, the torch and Triton versions and the commit."""
     import torch
