@@ -43,6 +43,7 @@ def test_sparse_draft_attention_reads_only_the_selection_and_tail(head_dim, q_he
     k, v = (_layout(poisoned(c, readable), heads_first) for c in (case.k, case.v))
     got = eager.sparse_draft_attention(case.q, k, v, *args)
     assert not got.isnan().any()
+    assert got.is_contiguous(), "models may `view` the attention output as (B, T, H * D), as transformers' is"
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -97,6 +98,7 @@ def test_dense_attention_reads_only_valid_slots(head_dim, q_heads, kv_heads, tok
     k, v = (_layout(_stale(c, case, readable), True) for c in (case.k, case.v))
     got = eager.dense_attention(case.q, k, v, *args)
     assert not got.isnan().any()
+    assert got.is_contiguous(), "models may `view` the attention output as (B, T, H * D), as transformers' is"
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -47,7 +47,7 @@ def _attend(q, k, v, visible, scaling: float, softcap: float | None) -> torch.Te
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible[:, None], scale=scaling, enable_gqa=groups > 1
         )
-        return out.transpose(1, 2)
+        return out.transpose(1, 2).contiguous()
     grouped = q.reshape(batch, kv_heads, groups * tokens, q.shape[-1])
     if visible is not None:  # (B, T, N) -> (B, 1, groups * T, N): every head of a group sees what its token sees
         visible = visible[:, None].expand(batch, groups, tokens, -1).reshape(batch, 1, groups * tokens, -1)
@@ -56,11 +56,12 @@ def _attend(q, k, v, visible, scaling: float, softcap: float | None) -> torch.Te
             grouped, k.to(q.dtype), v.to(q.dtype), attn_mask=visible, scale=scaling
         )
     else:
-        logits = _grouped_logits(q, k, scaling, softcap).view(batch, kv_heads, groups * tokens, -1)
+        logits = _grouped_logits(q, k, scaling, softcap).reshape(batch, kv_heads, groups * tokens, -1)
         if visible is not None:
             logits = logits.masked_fill(~visible, float("-inf"))
         out = torch.matmul(torch.softmax(logits, dim=-1), v.float()).to(q.dtype)
-    return out.view(batch, q_heads, tokens, -1).transpose(1, 2)
+    # Contiguous, as transformers' own attention functions return it: some models `view` it (AFMoE).
+    return out.reshape(batch, q_heads, tokens, -1).transpose(1, 2).contiguous()
 
 
 def _grouped_logits(q, k, scaling: float, softcap: float | None) -> torch.Tensor:
@@ -68,7 +69,7 @@ def _grouped_logits(q, k, scaling: float, softcap: float | None) -> torch.Tensor
     batch, q_heads, tokens, dim = q.shape
     kv_heads = k.shape[1]
     grouped = q.float().reshape(batch, kv_heads, (q_heads // kv_heads) * tokens, dim)
-    logits = torch.matmul(grouped, k.float().transpose(-1, -2)).view(batch, q_heads, tokens, -1) * scaling
+    logits = torch.matmul(grouped, k.float().transpose(-1, -2)).reshape(batch, q_heads, tokens, -1) * scaling
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     return logits
