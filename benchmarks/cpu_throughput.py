@@ -19,6 +19,8 @@ model does not see; the records hold the measured step times too. Records go to 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import datetime
 import os
 import platform
@@ -92,6 +94,30 @@ def prompts(tokenizer, texts, batch: int, num_tokens: int) -> tuple[torch.Tensor
     return ids, mask
 
 
+@contextlib.contextmanager
+def forward_times():
+    """Wall time of hf_vegas' model forwards by kind (prefill / draft / verify / decode): where an iteration goes.
+    On the CPU every op is synchronous, so a forward's wall time is its cost."""
+    from hf_vegas.candidate import VegasCandidateGenerator
+
+    seconds, calls = collections.defaultdict(float), collections.Counter()
+    original = VegasCandidateGenerator.forward
+
+    def timed(self, input_ids, logits_to_keep, mode=None, left_pad=None):
+        start = time.perf_counter()
+        out = original(self, input_ids, logits_to_keep, mode, left_pad)
+        kind = self.cache.mode  # a verification is fired with mode=None after `draft` declared it
+        seconds[kind] += time.perf_counter() - start
+        calls[kind] += 1
+        return out
+
+    VegasCandidateGenerator.forward = timed
+    try:
+        yield seconds, calls
+    finally:
+        VegasCandidateGenerator.forward = original
+
+
 def method_config(method: str) -> hf_vegas.VegasConfig | None:
     """What hf_vegas runs for `method` (None: vanilla); the records hold it."""
     return {"vanilla": None, "dense": hf_vegas.VegasConfig(gamma=0), "vegas": hf_vegas.VegasConfig()}[method]
@@ -103,12 +129,16 @@ def run(model, ids, mask, new_tokens: int, method: str) -> tuple[dict, torch.Ten
                   stopping_criteria=transformers.StoppingCriteriaList([clock]))
     if method != "vanilla":
         kwargs.update(custom_generate="vegas", return_dict_in_generate=True, vegas_config=method_config(method))
-    start = time.perf_counter()
-    out = model.generate(ids, **kwargs)
-    end = time.perf_counter()
+    with forward_times() as (seconds, calls):
+        start = time.perf_counter()
+        out = model.generate(ids, **kwargs)
+        end = time.perf_counter()
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
     measured = dict(prefill_seconds=clock.first - start, decode_seconds=end - clock.first,
                     total_seconds=end - start, new_tokens=sequences.shape[1] - ids.shape[1])
+    if calls:  # hf_vegas: mean forward time per kind
+        measured["forward_ms"] = {kind: seconds[kind] / calls[kind] * 1e3 for kind in calls}
+        measured["forward_calls"] = dict(calls)
     if method == "vegas":
         measured.update(iterations=out.accepted.shape[1], tokens_per_iteration=out.tokens_per_iteration)
     return measured, sequences
@@ -207,6 +237,10 @@ def print_table(records: list[dict]) -> None:
               f"{r.get('tokens_per_iteration', 1.0):>8.2f} {r.get('x_vanilla', nan):>9.2f} "
               f"{r.get('predicted_x_vanilla', nan):>6.2f} {r.get('x_dense', nan):>7.2f} "
               f"{r.get('predicted_x_dense', nan):>6.2f}  {r.get('identical_to_vanilla', '')}")
+    for r in records:
+        if "forward_ms" in r:
+            parts = ", ".join(f"{kind} {ms:.1f}" for kind, ms in r["forward_ms"].items() if kind != "prefill")
+            print(f"{r['batch']}x{r['prompt_tokens']} {r['method']}: ms per forward: {parts}")
     print("pred.: the traffic model's speedup (bytes a step must read at this run's read bandwidth); step ms: one "
           "decode step, or one Vegas iteration (gamma drafts + one verification)")
 
