@@ -36,21 +36,11 @@ import hf_vegas
 import traffic
 from provenance import commit, dirty
 from results_io import append_records
+from step_timer import FirstTokenClock
+from workloads import Workload, prompts
 
 METHODS = ("vanilla", "dense", "vegas")
 DEFAULT_WORKLOADS = ("1x4000", "1x7500", "4x4000")
-
-
-class FirstTokenClock(transformers.StoppingCriteria):
-    """Never stops; remembers when the loop produced its first token (right after the prefill)."""
-
-    def __init__(self):
-        self.first: float | None = None
-
-    def __call__(self, input_ids, scores, **kwargs):
-        if self.first is None:
-            self.first = time.perf_counter()
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
 def parse_workload(text: str) -> tuple[int, int]:
@@ -79,19 +69,6 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def prompts(tokenizer, texts, batch: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from prompts import chat_prompts
-
-    rows = chat_prompts(tokenizer, texts, batch, num_tokens)
-    width = max(len(r) for r in rows)
-    ids = torch.full((batch, width), tokenizer.pad_token_id or 0, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, row in enumerate(rows):
-        ids[b, width - len(row):] = row
-        mask[b, width - len(row):] = 1
-    return ids, mask
 
 
 @contextlib.contextmanager
@@ -176,7 +153,7 @@ def main() -> None:
                 corpus=args.data_files or "python docs (pydoc_data)", text_column=args.text_column,
                 model="smollm2", dtype="float32", decoding="greedy", read_bandwidth_GBps=bandwidth / 1e9)
     # One short call per method first: one-time costs (lazy imports, first allocations) stay out of the timings.
-    warm_ids, warm_mask = prompts(tokenizer, texts, 1, 64)
+    warm_ids, warm_mask = prompts(Workload("smollm2", 1, 64), tokenizer, texts, device="cpu")
     for method in args.methods:
         run(model, warm_ids, warm_mask, 4, method)
     records = []
@@ -185,7 +162,7 @@ def main() -> None:
     vanilla_tokens = {}
     for (batch, prompt_tokens), method in bar:
         bar.set_postfix_str(f"{batch}x{prompt_tokens} {method}")
-        ids, mask = prompts(tokenizer, texts, batch, prompt_tokens)
+        ids, mask = prompts(Workload("smollm2", batch, prompt_tokens), tokenizer, texts, device="cpu")
         measured, sequences = run(model, ids, mask, args.new_tokens, method)
         config = method_config(method)
         record = dict(base, batch=batch, prompt_tokens=int(mask.sum(dim=1).max()),

@@ -31,7 +31,8 @@ class FirstTokenClock(StoppingCriteria):
 
     def __call__(self, input_ids, scores, **kwargs):
         if self.first is None:
-            torch.cuda.synchronize()
+            if input_ids.is_cuda:  # the GPU may still be running the prefill
+                torch.cuda.synchronize()
             self.first = time.perf_counter()
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 

@@ -67,12 +67,13 @@ def _qwen3_8b_shape(max_positions: int):
         return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
 
 
-def prompts(workload: Workload, tokenizer, texts: list[str] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded `(input_ids, attention_mask)` on the GPU."""
+def prompts(workload: Workload, tokenizer, texts: list[str] | None,
+            device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded `(input_ids, attention_mask)` on `device`."""
     if tokenizer is None:
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(0, 151936, (workload.batch, workload.prompt_tokens), generator=generator)
-        return ids.cuda(), torch.ones_like(ids).cuda()
+        return ids.to(device), torch.ones_like(ids).to(device)
     from prompts import chat_prompts
 
     rows = chat_prompts(tokenizer, texts, workload.batch, workload.prompt_tokens)
@@ -82,4 +83,4 @@ def prompts(workload: Workload, tokenizer, texts: list[str] | None) -> tuple[tor
     for b, row in enumerate(rows):
         ids[b, width - len(row):] = row
         mask[b, width - len(row):] = 1
-    return ids.cuda(), mask.cuda()
+    return ids.to(device), mask.to(device)

@@ -70,7 +70,7 @@ def vegas_attention_forward(
             f"{'full' if full_layer else 'sliding'} attention: hf_vegas cannot tell which layers to sparsify."
         )
     kernels = _kernels_for(cache, query, key)
-    ops = eager if cache.eager_ops else reference
+    ops = _torch_ops(cache)
     # A layer may attend more than once per forward (DiffLlama: two value halves over the same keys and queries).
     # The scores depend on queries and keys only, so the layer selects at its first call.
     selecting = full_layer and cache.selecting and module.layer_idx not in cache.selected_layers
@@ -104,6 +104,11 @@ def vegas_attention_forward(
 # causal SDPA call per row (`ops/prefill.py`), or the reference ops when a prefill does not start from an empty cache
 # or the layer has a sliding window or a soft cap.
 MAX_KERNEL_QUERY_ROWS = 64
+
+
+def _torch_ops(cache: VegasCache):
+    """The plain-PyTorch ops of this cache: the CPU path (`ops.eager`) or the shape-static reference."""
+    return eager if cache.eager_ops else reference
 
 
 def _kernels_for(cache: VegasCache, query: torch.Tensor, key: torch.Tensor):
@@ -153,8 +158,7 @@ def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap) -> 
                                                                          cache.max_selected))
         return
     rows, q_slot = cache.score_rows, cache.query_slots
-    ops = eager if cache.eager_ops else reference
-    scores = ops.row_scores(
+    scores = _torch_ops(cache).row_scores(
         query[:, :, rows], key, q_slot[:, rows], cache.lengths, cache.sel_end, scaling, config.score, softcap
     )
     if cache.policy.deferred(cache.mode):

@@ -247,7 +247,8 @@ Vegas self-speculative decoding (Yue, Xue, Huang, *Vegas: Self-Speculative Decod
 Attention*, ICML 2026, arXiv 2602.07223). Each iteration the model drafts `gamma` tokens with itself, its
 full-attention layers reading only the KV entries the previous verification found critical, then verifies the drafts
 with full attention in one forward. No draft model, no training: greedy output is token-identical to vanilla greedy
-`generate`, and sampling keeps vanilla's distribution (speculative sampling with the real draft probabilities).
+`generate` in fp32 (in bf16 on a GPU the attention kernels round differently from SDPA, so rows may drift after a
+near tie), and sampling keeps vanilla's distribution (speculative sampling with the real draft probabilities).
 
 {_wrapped(
     "This folder is self-contained: `custom_generate/` holds a copy of the decoding code of the `hf_vegas` package "
