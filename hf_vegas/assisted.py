@@ -1,39 +1,24 @@
 """Run the Vegas drafter inside transformers' own assisted-decoding loop (batch 1).
 
 transformers has no public argument for a custom `CandidateGenerator`; assisted decoding builds its generator in
-`_get_candidate_generator`. `assisted_generate` overrides that method on this model instance for one call and
-selects the assisted mode with `prompt_lookup_num_tokens` (only used as the mode switch). HF then verifies, accepts,
-crops the cache and stops; `hf_vegas.generate` is the batched loop and the faster choice.
+`_get_candidate_generator`. `assisted_generate` overrides that method on this model instance for one call
+(`hf_vegas._compat.internals.candidate_generator`) and selects the assisted mode with `prompt_lookup_num_tokens`
+(only used as the mode switch). HF then verifies, accepts, crops the cache and stops; `hf_vegas.generate` is the
+batched loop and the faster choice.
 """
 
 from __future__ import annotations
 
-import contextlib
-import types
-
 import torch
 
 from . import validation
+from ._compat import internals as compat
 from .attention import active_cache, vegas_attention
 from .cache import VegasCache
 from .candidate import VegasCandidateGenerator
 from .config import resolve_config
 from .fused_projections import in_draft_steps
 from .ops import backend
-
-
-@contextlib.contextmanager
-def _instance_override(model, name: str, function):
-    had_own = name in vars(model)
-    previous = vars(model).get(name)
-    setattr(model, name, types.MethodType(function, model))
-    try:
-        yield
-    finally:
-        if had_own:
-            setattr(model, name, previous)
-        else:
-            delattr(model, name)
 
 
 @torch.no_grad()
@@ -51,7 +36,9 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
     if config.gamma == 0:
         raise ValueError("`vegas_gamma=0` (no drafts) has nothing to assist: use hf_vegas.generate, or gamma >= 1.")
     if config.compile:
-        raise ValueError("`vegas_compile=True` compiles captured steps; HF's assisted loop runs eagerly. Leave it off.")
+        raise ValueError(
+            "`vegas_compile=True` compiles captured steps; HF's assisted loop runs eagerly. Leave it off."
+        )
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"HF's assisted decoding runs batch 1; got input_ids of shape {tuple(input_ids.shape)}.")
     validation.check_model(model)
@@ -60,13 +47,13 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
     backend_name = backend.resolve_backend(config.backend, input_ids.device, model.dtype)
     cache = VegasCache(model.config, 1, capacity, config, device=input_ids.device, backend=backend_name)
 
-    def candidate_generator(self, generation_config, logits_processor, **unused):
-        return VegasCandidateGenerator(self, cache, logits_processor, bool(generation_config.do_sample))
+    def drafter(generation_config, logits_processor):
+        return VegasCandidateGenerator(model, cache, logits_processor, bool(generation_config.do_sample))
 
     with (
         vegas_attention(model),
         active_cache(cache),
-        _instance_override(model, "_get_candidate_generator", candidate_generator),
+        compat.candidate_generator(model, drafter),
         in_draft_steps(model, cache, backend_name == "triton" and config.fuse_projections),
     ):
         return model.generate(

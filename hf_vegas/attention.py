@@ -14,6 +14,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from ._compat import internals as compat
 from .cache import VegasCache
 from .ops import backend, eager, prefill, reference
 
@@ -196,7 +197,7 @@ def register() -> str:
 def vegas_attention(model):
     """Switch `model` to the "vegas" attention for the block and restore its own implementation after."""
     register()
-    original = model.config._attn_implementation
+    original = compat.attn_implementation(model)
     model.set_attn_implementation(ATTN_NAME)
     try:
         yield

@@ -20,7 +20,8 @@ import contextvars
 
 import torch
 
-from . import _compat, graphs, prompt_cache, validation
+from . import graphs, prompt_cache, validation
+from ._compat import internals as compat
 from .attention import active_cache, select_from_rows, vegas_attention
 from .candidate import VegasCandidateGenerator
 from .config import VegasConfig, resolve_config
@@ -90,8 +91,8 @@ def generate(
     # transformers does not forward `streamer` or `synced_gpus` to custom_generate callables; take them from its
     # generate call.
     if streamer is None:
-        streamer = _compat.generate_call_argument("streamer")
-    if synced_gpus or _compat.generate_call_argument("synced_gpus"):
+        streamer = compat.generate_call_argument("streamer")
+    if synced_gpus or compat.generate_call_argument("synced_gpus"):
         raise ValueError("hf_vegas does not support `synced_gpus=True` (multi-GPU ZeRO-3/FSDP generation).")
     validation.check_model(model)
     validation.check_generation_config(generation_config, logits_processor)
@@ -127,7 +128,8 @@ def generate(
         loop = _Loop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
                      generation_config, streamer, recorder)
         sequences, accepted = loop.run(inputs_embeds, prefix)
-    scores, logits = recorder.tuples(sequences.shape[1] - input_ids.shape[1], generation_config._pad_token_tensor)
+    new_tokens = sequences.shape[1] - input_ids.shape[1]
+    scores, logits = recorder.tuples(new_tokens, compat.pad_token_tensor(generation_config))
     # A pooled cache (CUDA graphs) belongs to the pool: the next generate call of its bucket overwrites it, and an
     # output that held it would keep gigabytes alive beside the next bucket's cache. Only an own cache is returned.
     own_cache = cache if step_graphs is None else None
@@ -157,8 +159,8 @@ class _Loop:
         self.gamma = cache.vegas_config.gamma
         self.do_sample = bool(gen_config.do_sample)
         self.drafter = VegasCandidateGenerator(model, cache, processors, self.do_sample, graphs=step_graphs)
-        self.stopper = ChunkStopper(stopping_criteria, gen_config._eos_token_tensor)
-        self.pad_id = gen_config._pad_token_tensor
+        self.stopper = ChunkStopper(stopping_criteria, compat.eos_token_tensor(gen_config))
+        self.pad_id = compat.pad_token_tensor(gen_config)
         self.input_ids, self.left_pad, self.max_new = input_ids, left_pad, max_new
         batch, width = input_ids.shape
         device = input_ids.device

@@ -3,8 +3,8 @@
 transformers resolves a string `custom_generate` to a `generate(model, **all_generate_arguments)` function that
 replaces `generate` entirely. `generate_from_name` is that function: it hands on what a callable would lose (the
 tokenizer, for stop strings and token healing), then runs `model.generate` with the Vegas loop.
-transformers has no registry for bare names, so `enable_short_name` wraps `load_custom_generate` for "vegas" alone.
-`enable_key_check` makes a misspelt `vegas_*` key of the callable form an error that names hf_vegas's keys.
+transformers has no registry for bare names: `import hf_vegas` makes "vegas" one with a patch that lives, with the
+other private transformers names hf_vegas uses, in `hf_vegas._compat` (`patches.enable_short_name`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
-from transformers.generation.utils import GenerationMixin
 
 from .config import check_keys
 from .decoding import checks_only, generate
@@ -86,51 +85,3 @@ def _setting(model, args: dict, field: str):
         return args[field]
     value = getattr(args.get("generation_config"), field, None)
     return value if value is not None else getattr(model.generation_config, field, None)
-
-
-_original_load_custom_generate = GenerationMixin.load_custom_generate
-
-
-def _load_custom_generate(self, pretrained_model_name_or_path=None, trust_remote_code=None, **kwargs):
-    if pretrained_model_name_or_path == SHORT_NAME:
-        return generate_from_name
-    return _original_load_custom_generate(
-        self, pretrained_model_name_or_path, trust_remote_code=trust_remote_code, **kwargs
-    )
-
-
-_original_validate_model_kwargs = GenerationMixin._validate_model_kwargs
-
-
-def _validate_model_kwargs(self, model_kwargs):
-    # transformers runs this check before it calls a custom_generate callable; a `vegas_*` key it refuses was not
-    # consumed by hf_vegas: misspelt (the callable's signature takes only the known keys) or given without hf_vegas.
-    try:
-        return _original_validate_model_kwargs(self, model_kwargs)
-    except ValueError as error:
-        vegas = sorted(k for k, v in model_kwargs.items() if k.startswith("vegas_") and v is not None)
-        if not vegas:
-            raise
-        try:
-            check_keys(vegas)  # a misspelt key, named with the closest known one
-        except ValueError as unknown:
-            raise unknown from error
-        raise ValueError(
-            f"The hf_vegas argument(s) {vegas} take effect only with `custom_generate=\"vegas\"` (after `import "
-            "hf_vegas`) or `custom_generate=hf_vegas.generate`; this `generate` call uses neither."
-        ) from error
-
-
-def enable_key_check() -> None:
-    """Make a `vegas_*` key that transformers refuses an error naming hf_vegas's keys (idempotent; done by
-    `import hf_vegas`). It changes only the message of an error transformers raises anyway."""
-    GenerationMixin._validate_model_kwargs = _validate_model_kwargs
-
-
-def enable_short_name() -> None:
-    """Make `model.generate(..., custom_generate="vegas")` run hf_vegas (idempotent; done by `import hf_vegas`).
-
-    Every other `custom_generate` string keeps transformers' behaviour. Installed code needs no
-    `trust_remote_code`.
-    """
-    GenerationMixin.load_custom_generate = _load_custom_generate

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
-from . import _compat
+from ._compat import internals as compat
 from .cache import VegasCache
 from .ops import reference
 
@@ -20,7 +20,7 @@ def checked(cache, prompt_length: int, batch: int) -> DynamicCache | None:
     if cache is None:
         return None
     if cache.get_seq_length() == 0:
-        if _compat.is_user_cache(cache):  # vanilla would fill it for the caller; hf_vegas keeps its own cache
+        if compat.is_user_cache(cache):  # vanilla would fill it for the caller; hf_vegas keeps its own cache
             raise ValueError(
                 f"`past_key_values` is an empty {type(cache).__name__}: hf_vegas decodes in its own cache and would "
                 "not fill yours. Pass no cache, or a DynamicCache prefilled with the start of the prompt."

@@ -7,6 +7,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
+from ._compat import internals as compat
 from .cache import layer_types
 
 # What transformers' own preparation leaves in `model_kwargs` for a decoder-only model; anything else came from the
@@ -39,7 +40,7 @@ def check_model(model) -> None:
     config = model.config
     if config.is_encoder_decoder:
         raise ValueError("hf_vegas supports decoder-only models; this model is an encoder-decoder.")
-    if not type(model)._can_set_attn_implementation():
+    if not compat.can_set_attn_implementation(model):
         raise ValueError(
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so "
             "hf_vegas cannot switch it to sparse drafting (unsupported attention type)."
@@ -153,12 +154,16 @@ def check_position_ids(position_ids: torch.Tensor | None, left_pad: torch.Tensor
 def left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Number of leading pad tokens per row; raises unless every row is `[0 ... 0, 1 ... 1]`."""
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"`input_ids` must be a non-empty (batch, length) tensor, got shape {tuple(input_ids.shape)}.")
+        raise ValueError(
+            f"`input_ids` must be a non-empty (batch, length) tensor, got shape {tuple(input_ids.shape)}."
+        )
     if attention_mask is None:
         return torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     mask = attention_mask.to(device=input_ids.device, dtype=torch.long)
     if mask.shape != input_ids.shape:
-        raise ValueError(f"`attention_mask` shape {tuple(mask.shape)} does not match `input_ids` {tuple(input_ids.shape)}.")
+        raise ValueError(
+            f"`attention_mask` shape {tuple(mask.shape)} does not match `input_ids` {tuple(input_ids.shape)}."
+        )
     pad = (mask == 0).sum(dim=1)
     expected = torch.arange(mask.shape[1], device=mask.device)[None, :] >= pad[:, None]
     if not torch.equal(mask.bool(), expected) or bool((pad == mask.shape[1]).any()):

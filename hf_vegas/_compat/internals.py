@@ -1,0 +1,134 @@
+"""Private transformers names hf_vegas uses while it generates, one function each.
+
+Each function names the attribute it reads and the transformers versions it was checked on. When a release moves
+one of them, the function raises `TransformersChanged` naming the attribute (rather than an `AttributeError` from
+deep inside a generation), and `tests/test_compat.py` fails with the same name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import transformers
+from transformers.generation.utils import GenerationMixin
+
+# The releases every function here was checked on (pyproject.toml allows the 5.x releases from the first).
+CHECKED_ON = ("5.17.0", "5.23.0")
+
+
+class TransformersChanged(RuntimeError):
+    """A private transformers name hf_vegas relies on is missing or changed in the installed release."""
+
+
+def changed(name: str, detail: str = "") -> TransformersChanged:
+    """The error for a private name `name` that the installed transformers no longer provides as hf_vegas uses it."""
+    return TransformersChanged(
+        f"hf_vegas relies on transformers' private `{name}`, checked on transformers {' and '.join(CHECKED_ON)}; the "
+        f"installed transformers {transformers.__version__} changed it{': ' + detail if detail else ''}. Install a "
+        "checked release, or see hf_vegas/_compat/internals.py."
+    )
+
+
+# -- special tokens --------------------------------------------------------------------------------------------------
+
+def _special_token_tensor(generation_config, name: str):
+    if not hasattr(generation_config, name):
+        raise changed(f"GenerationConfig.{name}", "generate no longer sets it before calling custom_generate")
+    return getattr(generation_config, name)
+
+
+def eos_token_tensor(generation_config):
+    """The EOS ids as a 1-D tensor on the inputs' device, or None: `generation_config._eos_token_tensor`.
+
+    `GenerationMixin._prepare_special_tokens` sets it on the config it hands a custom_generate callable, after merging
+    the model's config, the passed one and the keywords (5.17.0, 5.23.0). Reading it keeps hf_vegas's EOS exactly
+    vanilla's, lists and the model-config fallback included.
+    """
+    return _special_token_tensor(generation_config, "_eos_token_tensor")
+
+
+def pad_token_tensor(generation_config):
+    """The pad id as a 0-D tensor, or None: `generation_config._pad_token_tensor` (as `eos_token_tensor`; when only
+    EOS is set, transformers uses its first id, as vanilla pads with it). Checked on 5.17.0, 5.23.0."""
+    return _special_token_tensor(generation_config, "_pad_token_tensor")
+
+
+# -- caches ----------------------------------------------------------------------------------------------------------
+
+def is_user_cache(cache) -> bool:
+    """Whether the user passed `cache` as `past_key_values=`, rather than transformers building it for
+    `cache_implementation`: `Cache._is_user_defined`, which `GenerationMixin._prepare_cache_for_generation` sets on a
+    cache the user passed and leaves unset on the ones it builds (5.17.0, 5.23.0)."""
+    return bool(getattr(cache, "_is_user_defined", False))
+
+
+# -- attention implementation ----------------------------------------------------------------------------------------
+
+def attn_implementation(model):
+    """The attention implementation `model` runs now (`"sdpa"`, `"eager"`, ...), in the form
+    `model.set_attn_implementation` takes back: `model.config._attn_implementation` (5.17.0, 5.23.0; transformers has
+    no public getter)."""
+    try:
+        return model.config._attn_implementation
+    except AttributeError:
+        raise changed("PretrainedConfig._attn_implementation") from None
+
+
+def can_set_attn_implementation(model) -> bool:
+    """Whether `model`'s attention goes through `AttentionInterface`, so that `set_attn_implementation("vegas")`
+    reaches every attention layer: `PreTrainedModel._can_set_attn_implementation()`, a classmethod that reads the
+    class's module source (5.17.0, 5.23.0)."""
+    method = getattr(type(model), "_can_set_attn_implementation", None)
+    if not callable(method):
+        raise changed("PreTrainedModel._can_set_attn_implementation", "the classmethod is gone")
+    return bool(method())
+
+
+# -- generate arguments a custom_generate callable does not receive --------------------------------------------------
+
+def generate_call_argument(name: str):
+    """The value of `name` (`streamer`, `synced_gpus`) in the enclosing `GenerationMixin.generate` call, if any.
+
+    transformers (5.17.0, 5.23.0) replaces the mode keywords of a custom_generate callable by the callable's own
+    extra parameters (`GenerationMixin._extract_generation_mode_kwargs`), so a user's `streamer=` or `synced_gpus=`
+    never reaches it; without this lookup they would be silently ignored. It walks up the stack to the innermost
+    frame of a function named `generate` whose `self` is a model and reads its local `name` (generate's parameter).
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "generate" and isinstance(frame.f_locals.get("self"), GenerationMixin):
+            return frame.f_locals.get(name)
+        frame = frame.f_back
+    return None
+
+
+# -- assisted decoding -----------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def candidate_generator(model, build):
+    """Inside the block, HF's assisted-decoding loop on `model` drafts with `build(generation_config,
+    logits_processor)`, a `CandidateGenerator`.
+
+    transformers has no argument for a custom candidate generator: `GenerationMixin._assisted_decoding` asks
+    `self._get_candidate_generator(generation_config=..., logits_processor=..., ...)` (keywords, 5.17.0, 5.23.0).
+    This overrides that method on this instance only, and puts back what the instance had after the block.
+    """
+    name = "_get_candidate_generator"
+    if not callable(getattr(type(model), name, None)):
+        raise changed(f"GenerationMixin.{name}", "the method is gone")
+
+    def method(self, generation_config, logits_processor, **unused):
+        return build(generation_config, logits_processor)
+
+    had_own = name in vars(model)
+    previous = vars(model).get(name)
+    setattr(model, name, types.MethodType(method, model))
+    try:
+        yield
+    finally:
+        if had_own:
+            setattr(model, name, previous)
+        else:
+            delattr(model, name)

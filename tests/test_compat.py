@@ -1,0 +1,253 @@
+"""Every private transformers name hf_vegas relies on (`hf_vegas._compat`) still does what hf_vegas needs.
+
+One test per name. Each drives transformers itself (a `generate` call, the assisted loop, a model class) and fails
+with a message naming the attribute and the installed transformers release, so a release that moves one is found
+here rather than as a wrong output. The process-wide patches have their own tests in test_patches.py.
+"""
+
+import importlib.util
+import inspect
+import sys
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
+from transformers.generation.utils import GenerationMixin
+
+import hf_vegas
+from hf_vegas._compat import internals as compat
+from hf_vegas._compat import patches
+from tiny_models import ragged_batch, tiny_model
+
+VERSION = transformers.__version__
+CHECKED = " and ".join(compat.CHECKED_ON)
+
+
+def changed(name: str, what: str) -> str:
+    """The failure message: which private name, what no longer holds, on which release."""
+    return f"transformers {VERSION} (hf_vegas checked {CHECKED}): `{name}` {what}"
+
+
+def transformers_own(name: str):
+    """GenerationMixin's own `name`, whether or not hf_vegas's patch wraps it now."""
+    return patches._WRAPPED.get(name, GenerationMixin.__dict__[name])
+
+
+def probe_generate(model, ids, **kwargs) -> dict:
+    """Run `model.generate` with a custom_generate callable that records what it sees and decodes nothing."""
+    seen = {}
+
+    def probe(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+              **model_kwargs):
+        seen.update(generation_config=generation_config, model_kwargs=model_kwargs,
+                    streamer=compat.generate_call_argument("streamer"),
+                    synced_gpus=compat.generate_call_argument("synced_gpus"))
+        return input_ids
+
+    model.generate(ids, custom_generate=probe, max_new_tokens=2, **kwargs)
+    assert seen, "transformers did not call the custom_generate callable"
+    return seen
+
+
+IDS, MASK = ragged_batch([9, 6])
+
+
+def test_eos_token_tensor_is_set_before_a_callable_runs():
+    seen = probe_generate(tiny_model("llama"), IDS, attention_mask=MASK, eos_token_id=[5, 7], pad_token_id=3)
+    name = "GenerationConfig._eos_token_tensor"
+    try:
+        eos = compat.eos_token_tensor(seen["generation_config"])
+    except compat.TransformersChanged as error:
+        pytest.fail(changed(name, f"is not set on the config a custom_generate callable gets ({error})"))
+    assert isinstance(eos, torch.Tensor) and eos.tolist() == [5, 7], changed(name, f"holds {eos!r}, not [5, 7]")
+    assert eos.device == IDS.device, changed(name, "is not on the inputs' device")
+    single = probe_generate(tiny_model("llama"), IDS, attention_mask=MASK, eos_token_id=5, pad_token_id=3)
+    assert compat.eos_token_tensor(single["generation_config"]).tolist() == [5], changed(name, "is not 1-D for one id")
+
+
+def test_pad_token_tensor_is_set_before_a_callable_runs():
+    seen = probe_generate(tiny_model("llama"), IDS, attention_mask=MASK, eos_token_id=[5, 7], pad_token_id=3)
+    name = "GenerationConfig._pad_token_tensor"
+    try:
+        pad = compat.pad_token_tensor(seen["generation_config"])
+    except compat.TransformersChanged as error:
+        pytest.fail(changed(name, f"is not set on the config a custom_generate callable gets ({error})"))
+    assert isinstance(pad, torch.Tensor) and pad.ndim == 0 and int(pad) == 3, changed(name, f"holds {pad!r}, not 3")
+    # Without a pad id, vanilla pads finished rows with the first EOS id; hf_vegas pads with what it reads here.
+    fallback = probe_generate(tiny_model("llama"), IDS, attention_mask=MASK, eos_token_id=[5, 7], pad_token_id=None)
+    pad = compat.pad_token_tensor(fallback["generation_config"])
+    assert pad is not None and int(pad) == 5, changed(name, f"is {pad!r} without a pad id, not the first EOS id")
+
+
+def test_is_user_defined_marks_a_cache_the_user_passed_and_no_other():
+    name = "Cache._is_user_defined"
+    model = tiny_model("llama")
+    ids = IDS[:1, 3:]
+    passed = DynamicCache(config=model.config)
+    seen = probe_generate(model, ids, past_key_values=passed)
+    assert seen["model_kwargs"]["past_key_values"] is passed
+    assert compat.is_user_cache(passed), changed(name, "is not set on a cache passed as `past_key_values`")
+    built = probe_generate(model, ids)["model_kwargs"].get("past_key_values")
+    assert built is not None, changed(name, "no cache built for a call without one: hf_vegas's check has changed")
+    assert not compat.is_user_cache(built), changed(name, "is set on the cache generate built itself")
+
+
+def test_attn_implementation_reads_what_set_attn_implementation_takes():
+    name = "PretrainedConfig._attn_implementation"
+    model = tiny_model("llama")
+    try:
+        original = compat.attn_implementation(model)
+    except compat.TransformersChanged as error:
+        pytest.fail(changed(name, str(error)))
+    assert original == "sdpa", changed(name, f"reads {original!r} for a default Llama, not 'sdpa'")
+    model.set_attn_implementation("eager")
+    assert compat.attn_implementation(model) == "eager", changed(name, "does not follow set_attn_implementation")
+    model.set_attn_implementation(original)  # the round trip hf_vegas makes after every generate
+    assert compat.attn_implementation(model) == original, changed(name, "is not a value set_attn_implementation takes")
+
+
+OWN_ATTENTION = '''
+import torch
+from torch import nn
+from transformers import LlamaConfig, PreTrainedModel
+
+
+class OwnAttention(nn.Module):
+    def forward(self, x):
+        return torch.softmax(x, dim=-1)  # computes attention itself: no AttentionInterface
+
+
+class OwnModel(PreTrainedModel):
+    config_class = LlamaConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.attention = OwnAttention()
+'''
+
+
+def test_can_set_attn_implementation_tells_interface_models_from_others(tmp_path):
+    name = "PreTrainedModel._can_set_attn_implementation"
+    assert compat.can_set_attn_implementation(tiny_model("llama")), changed(name, "is False for Llama")
+    path = tmp_path / "own_attention_model.py"
+    path.write_text(OWN_ATTENTION)
+    spec = importlib.util.spec_from_file_location("own_attention_model", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # transformers reads the class's module source through sys.modules
+    try:
+        spec.loader.exec_module(module)
+        own = module.OwnModel(transformers.LlamaConfig(vocab_size=8, hidden_size=8, num_hidden_layers=1,
+                                                       num_attention_heads=1, intermediate_size=8))
+        assert not compat.can_set_attn_implementation(own), changed(
+            name, "is True for a model whose attention does not go through AttentionInterface: hf_vegas would switch "
+            "it to 'vegas' and leave its layers attending densely")
+    finally:
+        del sys.modules[spec.name]
+
+
+class _Streamer:
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+
+def test_generate_locals_hold_streamer_and_synced_gpus_for_a_callable():
+    """A callable does not receive `streamer` or `synced_gpus`; hf_vegas reads them from the `generate` frame."""
+    name = "GenerationMixin.generate (its locals `self`, `streamer`, `synced_gpus`)"
+    streamer = _Streamer()
+    seen = probe_generate(tiny_model("llama"), IDS[:1], streamer=streamer, synced_gpus=False)
+    assert seen["streamer"] is streamer, changed(name, "no longer hold the `streamer` the user passed")
+    assert seen["synced_gpus"] is False, changed(name, "no longer hold the `synced_gpus` the user passed")
+    assert {"streamer", "synced_gpus"} <= set(inspect.signature(GenerationMixin.generate).parameters), changed(
+        name, "no longer takes `streamer` and `synced_gpus`")
+    assert compat.generate_call_argument("streamer") is None  # outside a generate call
+
+
+def test_get_candidate_generator_is_what_the_assisted_loop_asks():
+    name = "GenerationMixin._get_candidate_generator"
+    parameters = set(inspect.signature(transformers_own("_get_candidate_generator")).parameters)
+    assert {"generation_config", "logits_processor"} <= parameters, changed(name, f"takes {sorted(parameters)}")
+    model = tiny_model("llama")
+    seen = {}
+
+    class Asked(Exception):
+        pass
+
+    def build(generation_config, logits_processor):
+        seen.update(generation_config=generation_config, logits_processor=logits_processor)
+        raise Asked
+
+    with compat.candidate_generator(model, build):
+        try:
+            model.generate(IDS[:1], max_new_tokens=3, do_sample=False, prompt_lookup_num_tokens=2)
+        except Asked:
+            pass
+        except TypeError as error:
+            pytest.fail(changed(name, f"is called with other arguments ({error})"))
+    assert seen, changed(name, "is not asked, on the instance, by generate(prompt_lookup_num_tokens=...)")
+    assert isinstance(seen["generation_config"], GenerationConfig)
+    assert isinstance(seen["logits_processor"], LogitsProcessorList)
+    assert "_get_candidate_generator" not in vars(model)
+
+
+def test_validate_model_kwargs_refuses_unused_keys_before_a_callable_runs():
+    name = "GenerationMixin._validate_model_kwargs"
+    own = transformers_own("_validate_model_kwargs")
+    assert list(inspect.signature(own).parameters)[:2] == ["self", "model_kwargs"], changed(name, "takes other args")
+    model = tiny_model("llama")
+    assert own(model, {"input_ids": IDS, "attention_mask": MASK}) is None, changed(name, "refuses model inputs")
+    with pytest.raises(ValueError, match="vegas_gama"):
+        own(model, {"input_ids": IDS, "vegas_gama": 3})
+    called = []
+    with pytest.raises(ValueError, match="vegas_gama"):  # the check runs before the callable, so hf_vegas's patch
+        model.generate(IDS, attention_mask=MASK, vegas_gama=3,  # is where a misspelt key can be named
+                       custom_generate=lambda model, input_ids, **kwargs: called.append(1))
+    assert not called, changed(name, "no longer runs before a custom_generate callable")
+
+
+def test_load_custom_generate_is_how_generate_resolves_a_string(monkeypatch):
+    """The short name's contract: for a string `custom_generate`, `generate` itself calls
+    `self.load_custom_generate(string, trust_remote_code=..., ...)` and calls its result with `model=` and the
+    arguments of the call."""
+    name = "GenerationMixin.load_custom_generate"
+    parameters = list(inspect.signature(transformers_own("load_custom_generate")).parameters)
+    assert parameters[:3] == ["self", "pretrained_model_name_or_path", "trust_remote_code"], changed(name, parameters)
+    calls = []
+
+    def loader(self, *args, **kwargs):
+        calls.append((sys._getframe(1).f_code.co_name, args, kwargs))
+        return lambda **arguments: ("loaded", arguments)
+
+    monkeypatch.setattr(GenerationMixin, "load_custom_generate", loader)
+    model = tiny_model("llama")
+    result = model.generate(IDS, attention_mask=MASK, custom_generate="org/repo", trust_remote_code=True,
+                            max_new_tokens=3)
+    assert calls and calls[0][0] == "generate", changed(name, f"is not called from `generate` ({calls})")
+    assert calls[0][1] == ("org/repo",) and calls[0][2].get("trust_remote_code") is True, changed(name, calls[0])
+    assert result[0] == "loaded", changed(name, "'s result is not what generate returns")
+    arguments = result[1]
+    assert arguments["model"] is model and arguments["max_new_tokens"] == 3, changed(name, sorted(arguments))
+    assert torch.equal(arguments["inputs"], IDS) and arguments["attention_mask"] is MASK
+
+
+def test_installed_transformers_is_a_checked_release():
+    """Fails on a release nobody has checked the names above on: run this file there, read each docstring in
+    hf_vegas/_compat/internals.py, then add the release to CHECKED_ON (and README, pyproject.toml)."""
+    def minor(version):
+        return tuple(int(part) for part in version.split(".")[:2])
+
+    low, high = minor(compat.CHECKED_ON[0]), minor(compat.CHECKED_ON[-1])
+    assert low <= minor(VERSION) <= high, f"transformers {VERSION} is outside the checked range {CHECKED}"
+
+
+def test_readme_and_pyproject_declare_the_checked_range():
+    from pathlib import Path
+
+    root = Path(hf_vegas.__file__).resolve().parent.parent
+    low, high = compat.CHECKED_ON[0], compat.CHECKED_ON[-1]
+    for document in ("README.md", "pyproject.toml"):
+        text = (root / document).read_text()
+        assert low in text and high in text, f"{document} does not name the checked transformers {CHECKED}"
