@@ -41,6 +41,7 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
         )
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"HF's assisted decoding runs batch 1; got input_ids of shape {tuple(input_ids.shape)}.")
+    validation.check_synced_gpus(model, kwargs.get("synced_gpus"))
     validation.check_model(model)
     capacity = input_ids.shape[1] + max_new_tokens + 2 * config.gamma + 1
     validation.check_layers(model, capacity)

@@ -54,7 +54,7 @@ def generate(
     logits_processor=None,
     stopping_criteria=None,
     generation_config=None,
-    synced_gpus: bool = False,
+    synced_gpus: bool | None = None,
     streamer=None,
     vegas_config: VegasConfig | dict | None = None,
     vegas_gamma: int | None = None,
@@ -92,8 +92,9 @@ def generate(
     # generate call.
     if streamer is None:
         streamer = compat.generate_call_argument("streamer")
-    if synced_gpus or compat.generate_call_argument("synced_gpus"):
-        raise ValueError("hf_vegas does not support `synced_gpus=True` (multi-GPU ZeRO-3/FSDP generation).")
+    if synced_gpus is None:
+        synced_gpus = compat.generate_call_argument("synced_gpus")
+    validation.check_synced_gpus(model, synced_gpus)
     validation.check_model(model)
     validation.check_generation_config(generation_config, logits_processor)
     validation.check_model_kwargs(model_kwargs)

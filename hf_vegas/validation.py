@@ -63,6 +63,21 @@ def check_model(model) -> None:
         raise ValueError("hf_vegas runs inference only: call model.eval() before generate.")
 
 
+def check_synced_gpus(model, requested: bool | None) -> None:
+    """Refuse `synced_gpus`: hf_vegas's rows take different numbers of forwards, which would leave processes that
+    share sharded weights (DeepSpeed ZeRO-3, FSDP) waiting for each other. `requested` is the user's value (None:
+    unset, which transformers turns on by itself under ZeRO-3 or FSDP with more than one process)."""
+    if not compat.synced_gpus(model, requested):
+        return
+    why = "`synced_gpus=True`" if requested else (
+        "`synced_gpus` (transformers turns it on by itself here, where DeepSpeed ZeRO-3 or FSDP shards the model "
+        "over several processes)")
+    raise ValueError(
+        f"hf_vegas does not support {why}: generation synchronised across GPUs. Allowed: `synced_gpus=False`, or "
+        "leaving it unset with a model that is not sharded over several processes."
+    )
+
+
 def check_layers(model, reach: int) -> None:
     """At least one layer must be full attention for a generation reaching `reach` positions, or drafts would be the
     model itself (a sliding window at least that long counts as full attention)."""

@@ -166,6 +166,24 @@ def test_generate_locals_hold_streamer_and_synced_gpus_for_a_callable():
     assert compat.generate_call_argument("streamer") is None  # outside a generate call
 
 
+def test_extract_generation_mode_kwargs_decides_synced_gpus(monkeypatch):
+    name = "GenerationMixin._extract_generation_mode_kwargs"
+    model = tiny_model("llama")
+    try:
+        decided = [compat.synced_gpus(model, value) for value in (True, False, None)]
+    except compat.TransformersChanged as error:
+        pytest.fail(changed(name, str(error)))
+    assert decided == [True, False, False], changed(name, f"decides {decided} for True, False, unset (one process)")
+    # transformers turns it on by itself under DeepSpeed ZeRO-3 with several processes: hf_vegas must see that.
+    utils = sys.modules[GenerationMixin.__module__]
+    for helper in ("is_deepspeed_zero3_enabled", "_get_torch_distributed_world_size"):
+        assert hasattr(utils, helper), changed(name, f"no longer reads `{helper}` (update this test's stand-ins)")
+    monkeypatch.setattr(utils, "is_deepspeed_zero3_enabled", lambda: True)
+    monkeypatch.setattr(utils, "_get_torch_distributed_world_size", lambda: 2)
+    assert compat.synced_gpus(model, None), changed(name, "no longer turns synced_gpus on under ZeRO-3 by itself")
+    assert not compat.synced_gpus(model, False), changed(name, "overrides an explicit synced_gpus=False")
+
+
 def test_get_candidate_generator_is_what_the_assisted_loop_asks():
     name = "GenerationMixin._get_candidate_generator"
     parameters = set(inspect.signature(transformers_own("_get_candidate_generator")).parameters)

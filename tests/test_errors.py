@@ -1,11 +1,15 @@
 """Bad input fails before any forward pass with an error naming the argument; the model is left as it was."""
 
+import sys
+
 import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StaticCache
+from transformers.generation.utils import GenerationMixin
 
 import hf_vegas
 from hf_vegas import VegasConfig
+from hf_vegas.assisted import assisted_generate
 from tiny_models import ragged_batch, tiny_model
 
 
@@ -68,7 +72,8 @@ def test_paged_cache_is_refused_by_the_string_form(model_and_counter):
     callable runs (its own routing); the string form sees it first and refuses it."""
     model, forwards = model_and_counter
     with pytest.raises(ValueError, match="paged"):
-        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas", cache_implementation="paged")
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas",
+                       cache_implementation="paged")
     assert forwards == []
 
 
@@ -93,6 +98,40 @@ def test_vegas_key_without_hf_vegas_says_which_custom_generate_reads_it(model_an
     with pytest.raises(ValueError, match="model_kwargs"):  # other unused inputs keep transformers' message
         model.generate(IDS, attention_mask=MASK, max_new_tokens=5, gamma=3)
     assert forwards == []
+
+
+SYNCED_FORMS = ["callable", "short_name", "assisted"]
+
+
+def _generate_in(entry, model, **kwargs):
+    if entry == "assisted":  # HF's own loop, batch 1
+        return assisted_generate(model, IDS[:1], attention_mask=MASK[:1], max_new_tokens=5, pad_token_id=0, **kwargs)
+    custom = hf_vegas.generate if entry == "callable" else "vegas"
+    return model.generate(IDS, attention_mask=MASK, max_new_tokens=5, pad_token_id=0, custom_generate=custom, **kwargs)
+
+
+@pytest.mark.parametrize("entry", SYNCED_FORMS)
+def test_synced_gpus_is_refused_in_every_form(model_and_counter, entry):
+    model, forwards = model_and_counter
+    with pytest.raises(ValueError, match=r"does not support `synced_gpus=True`.*Allowed: `synced_gpus=False`"):
+        _generate_in(entry, model, synced_gpus=True)
+    assert forwards == []
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("entry", SYNCED_FORMS)
+def test_synced_gpus_that_transformers_turns_on_by_itself_is_refused(model_and_counter, monkeypatch, entry):
+    """Left unset, `synced_gpus` is turned on by transformers under DeepSpeed ZeRO-3 (or FSDP) with several processes,
+    and a custom_generate callable is not told: hf_vegas asks transformers and refuses; `synced_gpus=False` runs."""
+    model, forwards = model_and_counter
+    utils = sys.modules[GenerationMixin.__module__]
+    monkeypatch.setattr(utils, "is_deepspeed_zero3_enabled", lambda: True)  # as under ZeRO-3 ...
+    monkeypatch.setattr(utils, "_get_torch_distributed_world_size", lambda: 2)  # ... over two processes
+    with pytest.raises(ValueError, match="synced_gpus` \\(transformers turns it on by itself"):
+        _generate_in(entry, model)
+    assert forwards == []
+    _generate_in(entry, model, synced_gpus=False)
+    assert forwards
 
 
 def test_a_prefilled_cache_other_than_dynamic_is_refused(model_and_counter):

@@ -104,6 +104,23 @@ def generate_call_argument(name: str):
     return None
 
 
+def synced_gpus(model, requested: bool | None) -> bool:
+    """Whether a generate call with `synced_gpus=requested` runs synchronised across GPUs, as transformers decides:
+    the value given, or, when it is None, on under DeepSpeed ZeRO-3 or FSDP with more than one process.
+
+    transformers takes that decision in `GenerationMixin._extract_generation_mode_kwargs` and does not pass the
+    result to a custom_generate callable; asking the same method keeps hf_vegas's answer vanilla's (5.17.0, 5.23.0).
+    """
+    method = getattr(model, "_extract_generation_mode_kwargs", None)
+    if method is None:
+        raise changed("GenerationMixin._extract_generation_mode_kwargs", "the method is gone")
+    try:
+        decided = method(custom_generate=None, kwargs={}, synced_gpus=requested, assistant_model=None, streamer=None)
+    except TypeError as error:
+        raise changed("GenerationMixin._extract_generation_mode_kwargs", str(error)) from None
+    return bool(decided.get("synced_gpus", False))
+
+
 # -- assisted decoding -----------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
