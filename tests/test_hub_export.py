@@ -89,7 +89,9 @@ def test_the_loader_fetches_every_file_and_needs_only_the_requirements(tmp_path)
     code = hub.export_hub_folder(tmp_path / "vegas") / "custom_generate"
     shipped = {p.name for p in code.glob("*.py")} - {"generate.py"}
     assert {"names.py", "decoding.py", "ops_backend.py", "ops_reference.py"} <= shipped
-    assert not {"__init__.py", "hub.py", "real_models.py", "assisted.py"} & shipped, "only what generate needs"
+    assert not {"__init__.py", "hub.py", "real_models.py", "assisted.py", "_compat_patches.py"} & shipped, (
+        "only what generate needs (never the patches of transformers)")
+    assert "_compat_internals.py" in shipped
     fetched = {Path(f).name for f in get_relative_import_files(str(code / "generate.py"))}
     assert fetched == shipped
     required = {line.split(">=")[0] for line in (code / "requirements.txt").read_text().splitlines()
@@ -100,7 +102,7 @@ def test_the_loader_fetches_every_file_and_needs_only_the_requirements(tmp_path)
 
 
 def test_requirements_have_the_package_bounds():
-    """requirements.txt holds one bound per line (transformers' check reads one): the lower bounds of pyproject.toml."""
+    """requirements.txt holds one bound per line (transformers' check reads one): pyproject.toml's lower bounds."""
     declared = {r.split(";")[0].replace(" ", "") for r in importlib.metadata.requires("hf_vegas") if ";" not in r}
     for requirement in hub.REQUIREMENTS:
         name, bound = requirement.split(">=")
