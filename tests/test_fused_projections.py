@@ -26,6 +26,26 @@ def test_grouped_linear_matches_reference(rows, with_bias):
     _assert_fp32_close(kernels.grouped_linear(x, weights, biases), reference.grouped_linear(x, weights, biases))
     _assert_fp32_close(kernels.qkv_linear(x, *weights, *(biases or [None] * 3)),
                        reference.grouped_linear(x, weights, biases))
+    _assert_fp32_close(kernels.grouped_linear(x, weights[:1], biases and biases[:1]),
+                       reference.grouped_linear(x, weights[:1], biases and biases[:1]))
+
+
+@pytest.mark.parametrize("setting", [dict(block_m=16, block_n=16, block_k=32, num_warps=2, num_stages=2),
+                                     dict(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4)])
+def test_linear_kernels_under_other_launch_settings(monkeypatch, setting):
+    """Every tuned setting computes the same product: several row tiles, column blocks that narrow to fit a segment
+    (48 and 80 take 16 even where 128 is allowed), a K block longer than K."""
+    from hf_vegas_kernels import _launch
+
+    for kind in _launch.LINEAR_TUNING:
+        monkeypatch.setitem(_launch.LINEAR_TUNING, kind, setting)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(50, 96, generator=gen).to(DEVICE)
+    weights = [torch.randn(n, 96, generator=gen).to(DEVICE) for n in (80, 48, 16)]
+    _assert_fp32_close(kernels.grouped_linear(x, weights), reference.grouped_linear(x, weights))
+    gate, up = (torch.randn(128, 96, generator=gen).to(DEVICE) for _ in range(2))
+    _assert_fp32_close(kernels.gated_linear(x, gate, up, "silu"), reference.gated_linear(x, gate, up, "silu"))
+    _assert_fp32_close(kernels.grouped_linear(x, [gate]), reference.grouped_linear(x, [gate]))
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
@@ -145,3 +165,21 @@ def test_inputs_the_kernels_cannot_take_run_the_plain_projections(monkeypatch):
     layer.q_proj.weight = torch.nn.Parameter(layer.q_proj.weight.detach().t().contiguous().t())
     with fused_projections(transposed) as counts:
         assert counts["attention"] == transposed.config.num_hidden_layers - 1, "strided weights are left alone"
+
+
+@pytest.mark.parametrize("element_bytes", [2, 4])
+@pytest.mark.parametrize("kind", ["qkv", "gated"])
+def test_launch_settings_fit_in_shared_memory(kind, element_bytes):
+    """fp32 inputs, and the gated kernel's two tiles, take fewer pipeline stages rather than failing to launch on a
+    GPU (the tuned bf16 setting would need more shared memory than a block has)."""
+    from hf_vegas_kernels import _launch, linear
+
+    setting = linear._setting(kind, 64, [1536], element_bytes)
+    tile = (setting["block_m"] + setting["block_n"]) * setting["block_k"] * element_bytes
+    used = setting["num_stages"] * tile * (2 if kind == "gated" else 1)
+    assert used <= _launch.LINEAR_SHARED_BYTES and setting["num_stages"] >= 1
+    tuned = _launch.LINEAR_TUNING[kind]
+    if element_bytes == 2 and kind == "qkv":
+        assert setting == {**tuned, "block_n": 16}, "bf16 q/k/v fit as tuned"
+    if element_bytes == 4 and kind == "gated":
+        assert setting["num_stages"] < tuned["num_stages"]

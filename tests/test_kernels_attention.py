@@ -107,6 +107,34 @@ def test_dense_decode_equals_verify_without_scores():
     assert torch.equal(dense, verify)
 
 
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", [HEADS[1], HEADS[3]])
+def test_one_split_writes_what_the_combine_would(monkeypatch, head_dim, q_heads, kv_heads):
+    """`waves` 0: one program per (row, KV head) writes output and log-sum-exp itself, without the combine launch.
+    Same outputs as the reference, and the same log-sum-exp (which turns emitted logits into weights) as the split
+    path."""
+    tokens = 7
+    case = make_case(LENGTHS, [tokens - 1] * 3, tokens, head_dim, q_heads, kv_heads, seed=11)
+    rows = torch.tensor([0, tokens - 1], device=DEVICE)
+    args = (case.q_slot, case.kv_len, case.scaling)
+
+    def run():
+        verify = kernels.verify_attention(case.q, case.k, case.v, *args, rows, "weights")
+        sparse = kernels.sparse_draft_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.sel_idx,
+                                                case.sel_count, case.sel_end, case.scaling)
+        return verify, sparse
+
+    (split_out, split_emitted, split_lse), _ = run()
+    for kind in _launch.TUNING:
+        monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], "waves": 0})
+    (out, emitted, lse), sparse = run()
+    _assert_close(out, reference.dense_attention(case.q, case.k, case.v, *args), torch.float32)
+    _assert_close(sparse, reference.sparse_draft_attention(case.q, case.k, case.v, case.q_slot, case.kv_len,
+                                                           case.sel_idx, case.sel_count, case.sel_end, case.scaling),
+                  torch.float32)
+    _assert_close(lse, split_lse, torch.float32)
+    torch.testing.assert_close(emitted, split_emitted, equal_nan=True)
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU versions above cover it")
 
 
@@ -164,3 +192,17 @@ def test_offsets_past_int32_on_gpu():
         _assert_close(draft[b : b + 1], _attend_compact(case, b, chosen), torch.bfloat16)
         recent = range(length - window, length)
         _assert_close(windowed[b : b + 1], _attend_compact(case, b, recent), torch.bfloat16)
+
+
+def test_split_counts_round_to_the_nearest_where_asked():
+    """Sparse drafts round the wanted split count to the nearest (one split at 192 (row, KV head) pairs on 132 SMs at
+    2 waves, where rounding up would take two), bounded by the list's blocks."""
+    from hf_vegas_kernels.attention import _num_splits
+
+    device = torch.device("cpu")
+    sms = _launch.device_sm_count(device)
+    pairs = round(sms * 2 / 1.375)  # 1.375 splits wanted
+    assert _num_splits(580, pairs, 128, 2, device, nearest=True) == (1, 640)
+    assert _num_splits(580, pairs, 128, 2, device)[0] == 2
+    assert _num_splits(580, 1, 128, 2, device, nearest=True) == (5, 128), "at most one split per block"
+    assert _num_splits(580, pairs, 128, 0, device) == (1, 640)

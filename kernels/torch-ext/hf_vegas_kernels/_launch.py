@@ -6,18 +6,38 @@ import functools
 
 import torch
 
-# Launch parameters of the attention kernel, per kind of call, chosen on an H100 with `benchmarks/kernel_bandwidth.py --sweep`
-# (results in benchmarks/results/kernels_sweep.jsonl). `waves`: programs per SM the splits aim for. Verification
-# (several query tokens) with head_dim 128 and at least 32 (row, KV head) pairs wanted many more splits (Qwen3-8B,
+# Launch parameters of the attention kernel, per kind of call, chosen on an H100 with
+# `benchmarks/kernel_bandwidth.py --sweep` (results in benchmarks/results/kernels_sweep.jsonl). `waves`: programs per
+# SM the splits aim for. Verification (several query tokens) with head_dim 128 and at least 32 (row, KV head) pairs wanted many more splits (Qwen3-8B,
 # batch 4 x 32K: 212 us at 8 waves, 258 us at 2), but not at batch 1 (1 x 128K: 196 us at 2 waves, 217 us at 8),
-# and head_dim 64 fewer (SmolLM2, batch 64 x 8K: 161 us at 2 waves, 189 us at 8). The benchmark overrides these
-# to sweep; nothing else should.
+# and head_dim 64 fewer (SmolLM2, batch 64 x 8K: 161 us at 2 waves, 189 us at 8). Sparse drafts (`--draft-only`,
+# SmolLM2 at 7.5K, a 525-slot selection) want about 1.5-2 programs per SM, rounded to the nearest split count
+# ("nearest"): batch 64 takes one split, whose program writes the output itself (15.6 us against 20.5 us with the
+# earlier 64-slot blocks and 4 waves), batch 16 five (8.6 against 9.0), batch 4 five (6.5 against 6.3). The
+# benchmark overrides these to sweep; nothing else should.
 TUNING = {
-    "sparse": {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4},
+    "sparse": {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 2, "nearest": True},
     "dense": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2},
     "verify": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2},
     "verify_wide_head": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 8},
 }
+
+# Launch parameters of the projection kernels (`linear.py`) per op, for forwards of at most 64 rows (a draft step of
+# up to 64 sequences); larger forwards keep the generic setting. `block_n` is the widest column block tried: a
+# segment that it does not divide gets the next smaller one. Chosen on an H100 with `benchmarks/projections.py
+# --sweep` (records in benchmarks/results/projections_sweep.jsonl): narrow column blocks give SmolLM2's small
+# weights enough programs (q/k/v 3.5 us and gate/up 5.5 us at 64 rows, from 5.4 and 9.3 with 64-column blocks).
+# The benchmark overrides them to sweep.
+LINEAR_TUNING = {
+    "qkv": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
+    "gated": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
+    "linear": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
+    "generic": {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3},
+}
+# Shared memory a projection kernel's pipelined tiles may take (an H100 block has 227 KiB): fp32 inputs, or the two
+# tiles of the gated kernel, take fewer stages instead of failing to launch.
+LINEAR_SHARED_BYTES = 160 << 10
+LINEAR_TUNED_ROWS = 64
 
 # Under TRITON_INTERPRET=1 on the CPU there are no SMs; split as if a small GPU, so split-K paths are exercised.
 _CPU_PROGRAMS = 4

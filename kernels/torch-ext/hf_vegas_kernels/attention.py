@@ -10,6 +10,8 @@ One kernel serves three ops of `hf_vegas.ops.reference`:
 A program owns one (split, row, KV head) and all `groups * T` query rows that share that KV head (GQA), so each
 key and value it gathers is read once for all of them. Partial softmax states go to fp32 scratch and
 `_combine_splits` merges them; it also returns the log-sum-exp, which turns emitted logits into softmax weights.
+Where one split per (row, KV head) already fills the GPU (a short draft list at a large batch), the program writes
+the output and log-sum-exp itself and the combine launch is skipped (`waves` 0 in `_launch.TUNING`).
 
 Score emission is a second, small product per tile: `emit_q @ k^T`, whose rows are exactly what is stored, so no
 tile row has to be extracted by a cross-warp reduction. Without a soft cap, logits are linear in the query, so the
@@ -18,6 +20,8 @@ logits need each head's own row (mode "per head").
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -36,16 +40,17 @@ def _tanh(x):
 
 @triton.jit
 def _attend_list(
-    Q, K, V, QSlot, KvLen, SelIdx, SelCount, TailStart, ScoreRows, MPart, LPart, OPart, Emit,
+    Q, K, V, QSlot, KvLen, SelIdx, SelCount, TailStart, ScoreRows, MPart, LPart, OPart, Emit, Out, Lse,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
-    stride_sb, stride_eb, stride_er, stride_eh,
+    stride_sb, stride_eb, stride_er, stride_eh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, chunk, scaling, softcap, window,
     KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     SPARSE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     EMIT: tl.constexpr, NUM_SCORE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+    SINGLE: tl.constexpr,
 ):
     split = tl.program_id(0)
     row_head = tl.program_id(1)
@@ -134,6 +139,15 @@ def _attend_list(
         acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
+    if SINGLE:  # one split: the program owns the whole list and writes the result itself (no combine launch)
+        seen = l_i > 0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        head = kvh * GROUPS + g
+        tl.store(Out + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < V_DIM))
+        tl.store(Lse + b * stride_lb + t * stride_lt + head,
+                 tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf")), mask=row_ok)
+        return
     part = (row_head * num_splits + split) * rows + m  # only real query rows are stored
     tl.store(MPart + part, m_i, mask=row_ok)
     tl.store(LPart + part, l_i, mask=row_ok)
@@ -184,10 +198,14 @@ def _combine_splits(
              tl.where(seen, top + tl.log(tl.where(seen, l_total, 1.0)), float("-inf")), mask=m_ok)
 
 
-def _num_splits(list_len: int, programs: int, block_n: int, waves: int, device) -> tuple[int, int]:
-    """(splits, chunk): enough programs to fill the GPU `waves` times, each chunk a multiple of the block."""
+def _num_splits(list_len: int, programs: int, block_n: int, waves: float, device, nearest: bool = False):
+    """(splits, chunk): enough programs to fill the GPU `waves` times (rounded up, or to the nearest count), each
+    chunk a multiple of the block; `waves` 0: one split per (row, KV head). One split writes the output itself."""
     blocks = max(triton.cdiv(max(list_len, 1), block_n), 1)
-    want = max(triton.cdiv(waves * _launch.device_sm_count(device), programs), 1)
+    if waves == 0:
+        return 1, blocks * block_n
+    wanted = waves * _launch.device_sm_count(device) / programs
+    want = max(round(wanted) if nearest else math.ceil(wanted), 1)
     splits = min(want, blocks)
     chunk = triton.cdiv(blocks, splits) * block_n
     return triton.cdiv(blocks * block_n, chunk), chunk
@@ -224,12 +242,17 @@ def attend(
         raise ValueError("attend: the cache's last dimension must be contiguous")
     q = q if q.stride(-1) == 1 else q.contiguous()
     device = q.device
-    splits, chunk = _num_splits(list_len, batch * kv_heads, block_n, tuning["waves"], device)
+    splits, chunk = _num_splits(list_len, batch * kv_heads, block_n, tuning["waves"], device,
+                                tuning.get("nearest", False))
 
     f32 = {"dtype": torch.float32, "device": device}
-    m_part = _launch.empty(batch * kv_heads * splits * rows, **f32)
-    l_part = _launch.empty(batch * kv_heads * splits * rows, **f32)
-    o_part = _launch.empty(batch * kv_heads * splits * rows * v_dim, **f32)
+    out = _launch.empty(batch, num_tokens, q_heads, v_dim, dtype=q.dtype, device=device)
+    lse = _launch.empty(batch, num_tokens, q_heads, **f32)
+    single = splits == 1
+    parts = 1 if single else batch * kv_heads * splits * rows  # split states, for the combine
+    m_part = _launch.empty(parts, **f32)
+    l_part = _launch.empty(parts, **f32)
+    o_part = _launch.empty(parts * v_dim, **f32)
     emitting = emit != EMIT_NONE
     if emitting:
         heads = kv_heads if emit == EMIT_GROUP_SUM else q_heads
@@ -237,25 +260,26 @@ def attend(
         score_rows_or_any = score_rows
         emit_rows = score_rows.numel() * (1 if emit == EMIT_GROUP_SUM else groups)
     else:
-        emitted, score_rows_or_any, emit_rows = m_part, q_slot, 1  # unused: the kernel never touches them
+        emitted, score_rows_or_any, emit_rows = lse, q_slot, 1  # unused: the kernel never touches them
     _attend_list[(splits, batch * kv_heads)](
         q, k_cache, v_cache, q_slot.contiguous(), kv_len, sel_idx if sparse else kv_len,
-        sel_count if sparse else kv_len, tail_start, score_rows_or_any, m_part, l_part, o_part, emitted,
+        sel_count if sparse else kv_len, tail_start, score_rows_or_any, m_part, l_part, o_part, emitted, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         sel_idx.stride(0) if sparse else 0,
         *(emitted.stride()[:3] if emitting else (0, 0, 0)),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         num_tokens, chunk, float(scaling), float(softcap or 1.0), int(window or 0),
         KV_HEADS=kv_heads, GROUPS=groups, HEAD_DIM=head_dim, V_DIM=v_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         SPARSE=sparse, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
         EMIT=emit, NUM_SCORE_ROWS=score_rows.numel() if emitting else 0,
         BLOCK_E=max(16, triton.next_power_of_2(emit_rows)), PRECISION=_launch.dot_precision(q.dtype),
-        num_warps=tuning["num_warps"], num_stages=tuning["num_stages"],
+        SINGLE=single, num_warps=tuning["num_warps"], num_stages=tuning["num_stages"],
     )
-    out = _launch.empty(batch, num_tokens, q_heads, v_dim, dtype=q.dtype, device=device)
-    lse = _launch.empty(batch, num_tokens, q_heads, **f32)
+    if single:
+        return out, lse, (emitted if emitting else None)
     # GPU: one query row per program, for parallelism at small batch. Triton's CPU interpreter pays per program,
     # so there a program takes all rows.
     per_program = 1 if device.type == "cuda" else triton.next_power_of_2(rows)

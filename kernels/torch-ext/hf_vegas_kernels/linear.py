@@ -8,8 +8,12 @@ weights is made, so the model is untouched and no memory is added):
 - `grouped_linear(x, (w0, w1, w2), biases)` = `cat([x @ w0.T + b0, x @ w1.T + b1, x @ w2.T + b2], -1)`;
 - `gated_linear(x, w_gate, w_up, act)` = `act(x @ w_gate.T) * (x @ w_up.T)`, `act` "silu" or "gelu_tanh".
 
+(A single small projection in one such launch is no faster than cuBLAS: SmolLM2's output and down projections at 64
+rows took 3.3 and 5.0 us against cuBLAS' 3.6 and 5.0, `benchmarks/projections.py --sweep`, so they stay on cuBLAS.)
+
 A program owns `BLOCK_M` rows and `BLOCK_N` output columns that all lie in one weight (segment sizes are multiples
-of `BLOCK_N`), and accumulates in fp32. Semantics: `hf_vegas.ops.reference.grouped_linear` / `gated_linear`.
+of `BLOCK_N`), and accumulates in fp32. Block sizes, warps and stages per op: `_launch.LINEAR_TUNING`.
+Semantics: `hf_vegas.ops.reference.grouped_linear` / `gated_linear`.
 """
 
 from __future__ import annotations
@@ -78,42 +82,68 @@ def _grouped_linear(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def block_n_for(*sizes: int) -> int | None:
-    """The widest column block that divides every segment, or None (the projections then stay separate)."""
-    for block in (64, 32, 16):
-        if all(size % block == 0 for size in sizes):
+def block_n_for(*sizes: int, widest: int = 64) -> int | None:
+    """The widest column block (at most `widest`) that divides every segment, or None (the projections then stay
+    separate)."""
+    for block in (128, 64, 32, 16):
+        if block <= widest and all(size % block == 0 for size in sizes):
             return block
     return None
 
 
-def _launch_grid(x2, out_cols, block_n, block_m):
-    return (triton.cdiv(out_cols, block_n), triton.cdiv(x2.shape[0], block_m))
+def _setting(kind: str, rows: int, sizes: list[int], element_bytes: int) -> dict:
+    """Launch parameters of `kind` ("qkv", "gated", "linear") for `rows` rows and output segments of `sizes`, from
+    `_launch.LINEAR_TUNING`."""
+    setting = dict(_launch.LINEAR_TUNING[kind if rows <= _launch.LINEAR_TUNED_ROWS else "generic"])
+    # No wider row block than the rows need (a draft of 4 sequences computes a 16-row tile, not 64).
+    setting["block_m"] = min(setting["block_m"], max(16, triton.next_power_of_2(rows)))
+    setting["block_n"] = block_n_for(*sizes, widest=setting["block_n"])
+
+    def shared_bytes():  # x and weight tiles per pipeline stage, twice for gate and up
+        tile = (setting["block_m"] + setting["block_n"]) * setting["block_k"] * element_bytes
+        return setting["num_stages"] * tile * (2 if kind == "gated" else 1)
+
+    while shared_bytes() > _launch.LINEAR_SHARED_BYTES and setting["num_stages"] > 1:
+        setting["num_stages"] -= 1
+    while shared_bytes() > _launch.LINEAR_SHARED_BYTES and setting["block_k"] > 16:
+        setting["block_k"] //= 2
+    return setting
 
 
-def _block_m(rows: int) -> int:
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+def _launch_linear(kind, x2, weights, biases, out, act=0):
+    """One launch of `_grouped_linear` over 1 to 3 weights (gated: gate and up) into `out`."""
+    sizes = [w.shape[0] for w in weights]
+    setting = _setting(kind, x2.shape[0], sizes, x2.element_size())
+    block_n = setting["block_n"]
+    gated = kind == "gated"
+    out_cols = sizes[0] if gated else sum(sizes)
+    padded = weights + [weights[0]] * (3 - len(weights))
+    has_bias = biases is not None and biases[0] is not None
+    bias = (list(biases) if has_bias else [x2] * len(weights)) + [x2] * (3 - len(weights))
+    _grouped_linear[(triton.cdiv(out_cols, block_n), triton.cdiv(x2.shape[0], setting["block_m"]))](
+        x2, *padded, *bias, out, x2.shape[0], x2.shape[1], *(sizes + [0] * (3 - len(sizes))),
+        x2.stride(0), *(w.stride(0) for w in padded), out.stride(0),
+        HAS_BIAS=has_bias, GATED=gated, ACT=act, BLOCK_M=setting["block_m"], BLOCK_N=block_n,
+        BLOCK_K=setting["block_k"], PRECISION=_launch.dot_precision(x2.dtype),
+        num_warps=setting["num_warps"], num_stages=setting["num_stages"],
+    )
+    return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def grouped_linear(x: torch.Tensor, weights, biases=None) -> torch.Tensor:
     """`cat([x @ w.T (+ b) for w, b in zip(weights, biases)], -1)` for 1 to 3 weights `(N_i, K)`. `x` `(..., K)`."""
     weights = list(weights)
     sizes = [w.shape[0] for w in weights]
-    block_n = block_n_for(*sizes)
-    if block_n is None or not 1 <= len(weights) <= 3:
+    if block_n_for(*sizes) is None or not 1 <= len(weights) <= 3:
         raise ValueError(f"grouped_linear: 1 to 3 weights whose sizes share a block of 16, got {sizes}")
-    x2 = x.reshape(-1, x.shape[-1])
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    x2 = _rows(x)
     out = _launch.empty(x2.shape[0], sum(sizes), dtype=x.dtype, device=x.device)
-    has_bias = biases is not None and biases[0] is not None
-    padded = weights + [weights[0]] * (3 - len(weights))
-    bias = (list(biases) if has_bias else [x2] * len(weights)) + [x2] * (3 - len(weights))
-    block_m = _block_m(x2.shape[0])
-    _grouped_linear[_launch_grid(x2, sum(sizes), block_n, block_m)](
-        x2, *padded, *bias, out, x2.shape[0], x2.shape[1], *(sizes + [0] * (3 - len(sizes))),
-        x2.stride(0), *(w.stride(0) for w in padded), out.stride(0),
-        HAS_BIAS=has_bias, GATED=False, ACT=0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
-        PRECISION=_launch.dot_precision(x.dtype), num_warps=4, num_stages=3,
-    )
+    _launch_linear("qkv" if len(weights) > 1 else "linear", x2, weights, biases, out)
     return out.reshape(*x.shape[:-1], sum(sizes))
 
 
@@ -122,21 +152,13 @@ def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act:
     if act not in ACTIVATIONS:
         raise ValueError(f"gated_linear: act must be one of {list(ACTIVATIONS)}, got {act!r}")
     size = w_gate.shape[0]
-    block_n = block_n_for(size)
-    if block_n is None or w_up.shape[0] != size:
+    if block_n_for(size) is None or w_up.shape[0] != size:
         raise ValueError(
             f"gated_linear: gate and up must have one size, a multiple of 16; got {size}, {w_up.shape[0]}"
         )
-    x2 = x.reshape(-1, x.shape[-1])
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    x2 = _rows(x)
     out = _launch.empty(x2.shape[0], size, dtype=x.dtype, device=x.device)
-    block_m = _block_m(x2.shape[0])
-    _grouped_linear[_launch_grid(x2, size, block_n, block_m)](
-        x2, w_gate, w_up, w_up, x2, x2, x2, out, x2.shape[0], x2.shape[1], size, size, 0,
-        x2.stride(0), w_gate.stride(0), w_up.stride(0), w_up.stride(0), out.stride(0),
-        HAS_BIAS=False, GATED=True, ACT=ACTIVATIONS[act], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
-        PRECISION=_launch.dot_precision(x.dtype), num_warps=4, num_stages=3,
-    )
+    _launch_linear("gated", x2, [w_gate, w_up], None, out, act=ACTIVATIONS[act])
     return out.reshape(*x.shape[:-1], size)
 
 
