@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 import hf_vegas
 from gpu_timing import copy_bandwidth, graph_time, read_bandwidth  # benchmarks/ is the script's directory
-from provenance import commit
+from provenance import commit, dirty
 
 # Attention shapes of the two reference models: (query heads, KV heads, head dim, full-attention layers).
 SHAPES = {"smollm2-135m": (9, 3, 64, 30), "qwen3-8b": (32, 8, 128, 36)}
@@ -74,6 +74,8 @@ def bench_shape(name, batch, context, dtype, bandwidth, base, write, light=False
     q1, slot1 = query(1)
     qv, slotv = query(GAMMA + 1)
     q_bytes = lambda q: q.numel() * elem * 2  # read q, write out
+    if light == "draft":
+        return {"draft": _draft_time(q1, caches, slot1, kv_len, context, batch, scaling)}
 
     # Dense decode and verification (full cache, per-row length).
     full_read = batch * context * kv_bytes_per_slot
@@ -92,15 +94,9 @@ def bench_shape(name, batch, context, dtype, bandwidth, base, write, light=False
         timed[score] = record(f"verify+scores({score})", seconds, full_read, full_read + q_bytes(qv) + emitted,
                               overhead_vs_verify=seconds / t_verify - 1)
 
-    # Sparse draft: the budget's selected slots plus the tail (accepted tokens and drafts since the selection).
-    sel_end = kv_len - GAMMA - 1
+    t_draft = _draft_time(q1, caches, slot1, kv_len, context, batch, scaling)
     count = budget(context - GAMMA - 1)
-    sel_idx = torch.stack([torch.randperm(context - GAMMA - 1, device="cuda")[:count].sort().values
-                           for _ in range(batch)])
-    sel_count = torch.full((batch,), count, device="cuda")
-    t_draft = graph_time(
-        lambda i: kernels.sparse_draft_attention(q1, *caches[i], slot1, kv_len, sel_idx, sel_count, sel_end,
-                                                 scaling, list_len=count + 2 * GAMMA + 1), copies)
+    sel_end, sel_count = kv_len - GAMMA - 1, torch.full((batch,), count, device="cuda")
     draft_read = batch * (count + GAMMA + 1) * kv_bytes_per_slot
     record("draft", t_draft, draft_read, draft_read + batch * count * 8 + q_bytes(q1), selected=count)
 
@@ -126,19 +122,33 @@ def bench_shape(name, batch, context, dtype, bandwidth, base, write, light=False
     return {"dense": t_dense, "verify": t_verify, "draft": t_draft, "select": t_final + t_topk}
 
 
-def sweep(name, batch, context, dtype, bandwidth, base, write):
-    """Time draft, dense and verify(+logits) under every launch setting of `_launch.TUNING`."""
+def _draft_time(q1, caches, slot1, kv_len, context, batch, scaling) -> float:
+    """Sparse draft: the budget's selected slots plus the tail (accepted tokens and drafts since the selection)."""
+    sel_end = kv_len - GAMMA - 1
+    count = budget(context - GAMMA - 1)
+    sel_idx = torch.stack([torch.randperm(context - GAMMA - 1, device="cuda")[:count].sort().values
+                           for _ in range(batch)])
+    sel_count = torch.full((batch,), count, device="cuda")
+    return graph_time(
+        lambda i: kernels.sparse_draft_attention(q1, *caches[i], slot1, kv_len, sel_idx, sel_count, sel_end,
+                                                 scaling, list_len=count + 2 * GAMMA + 1), len(caches))
+
+
+def sweep(name, batch, context, dtype, bandwidth, base, write, draft_only=False):
+    """Time draft, dense and verify(+logits) (or the draft alone) under every launch setting of a grid, set into
+    `_launch.TUNING` (waves 0: one split per (row, KV head), no combine launch)."""
     from itertools import product
 
     from hf_vegas_kernels import _launch
 
     default = {kind: dict(values) for kind, values in _launch.TUNING.items()}
     try:
-        for block_n, warps, stages, waves in product([32, 64], [4, 8], [2, 3], [2, 4, 8]):
+        for block_n, warps, stages, waves in product([32, 64, 128], [2, 4, 8], [2, 3], [0, 1, 2, 4, 8]):
             setting = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves}
-            for kind in _launch.TUNING:  # sparse and dense lists alike
+            for kind in ["sparse"] if draft_only else _launch.TUNING:  # sparse and dense lists alike
                 _launch.TUNING[kind] = dict(setting)
-            times = bench_shape(name, batch, context, dtype, bandwidth, base, lambda record: None, light=True)
+            times = bench_shape(name, batch, context, dtype, bandwidth, base, lambda record: None,
+                                light="draft" if draft_only else True)
             write({**base, "sweep": setting, "shape": name, "batch": batch, "context": context,
                    "op": "sweep", **{f"{op}_us": t * 1e6 for op, t in times.items()}})
     finally:
@@ -153,6 +163,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--max-gib", type=float, default=40.0, help="skip configurations whose cache exceeds this")
     parser.add_argument("--sweep", action="store_true", help="sweep the attention kernel's launch settings instead")
+    parser.add_argument("--draft-only", action="store_true", help="with --sweep: the sparse draft attention only")
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.jsonl"))
     args = parser.parse_args()
@@ -162,8 +173,8 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     base = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "transformers": transformers.__version__, "hf_vegas": hf_vegas.__version__,
-            "commit": args.commit or commit(), "dtype": args.dtype, "gamma": GAMMA, "sparsity": SPARSITY,
-            "min_tokens": MIN_TOKENS, "copy_bandwidth_GBps": bandwidth / 1e9,
+            "commit": args.commit or commit(), "dirty": dirty(), "dtype": args.dtype, "gamma": GAMMA,
+            "sparsity": SPARSITY, "min_tokens": MIN_TOKENS, "copy_bandwidth_GBps": bandwidth / 1e9,
             "read_bandwidth_GBps": read_bandwidth() / 1e9}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     records = []
@@ -181,12 +192,15 @@ def main() -> None:
         if gib > args.max_gib:
             tqdm.write(f"skip {name} b{batch} ctx{context}: {gib:.1f} GiB of cache > --max-gib {args.max_gib}")
             continue
-        run = sweep if args.sweep else bench_shape
-        summary[(name, batch, context)] = run(name, batch, context, dtype, bandwidth, base, write)
+        if args.sweep:
+            summary[(name, batch, context)] = sweep(name, batch, context, dtype, bandwidth, base, write,
+                                                    args.draft_only)
+        else:
+            summary[(name, batch, context)] = bench_shape(name, batch, context, dtype, bandwidth, base, write)
     if args.sweep:
         for key in summary:
             rows = [r for r in records if (r["shape"], r["batch"], r["context"]) == key]
-            for op in ("draft", "dense", "verify", "verify_logits"):
+            for op in ("draft",) if args.draft_only else ("draft", "dense", "verify", "verify_logits"):
                 best = min(rows, key=lambda r: r[f"{op}_us"])
                 print(f"{key} best {op}: {best[f'{op}_us']:.1f} us with {best['sweep']}")
         return

@@ -1,11 +1,16 @@
 """One-launch decode projections against cuBLAS: is `hf_vegas.fused_projections` worth it at this shape?
 
     python benchmarks/projections.py                  # SmolLM2-135M and Qwen3-8B layer shapes, 64 and 448 rows
+    python benchmarks/projections.py --sweep --shapes smollm2-135m --rows 64   # launch settings per op
 
 Per (model shape, rows): one layer's q/k/v projections as three `F.linear` calls (cuBLAS) against one
 `qkv_linear` launch, and the gated MLP's gate/up/activation/product as three launches against one `gated_linear`,
 each timed as a replayed CUDA graph over enough weight copies to defeat L2 (median of 20 replays). Records go to
 --out (JSONL, with GPU, versions, commit); a table is printed last.
+
+`--sweep` times each kernel (q/k/v, gate/up, and one weight as the output and down projections would) under every
+launch setting of a grid (`hf_vegas_kernels._launch.LINEAR_TUNING` overridden), beside cuBLAS, into
+benchmarks/results/projections_sweep.jsonl, and prints the best setting per op.
 """
 
 from __future__ import annotations
@@ -60,16 +65,76 @@ def measure(shape: str, rows: int) -> dict:
                 mlp_fused_us=graph_time(fused_mlp, mlp_n) * 1e6, qkv_relative_error=float(error))
 
 
+SWEEP_GRID = dict(block_m=[16, 32, 64], block_n=[16, 32, 64, 128], block_k=[64, 128], num_warps=[2, 4],
+                  num_stages=[2, 4])
+
+
+def sweep(shape: str, rows: int) -> list[dict]:
+    """Each one-launch kernel at `rows` rows under every setting of SWEEP_GRID, with cuBLAS for reference."""
+    from itertools import product
+
+    from hf_vegas_kernels import _launch
+
+    hidden, q_out, kv_out, inter = SHAPES[shape]
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+
+    def weights(*outs, k=hidden):
+        n = _copies(sum(outs) * k * 2)
+        return n, [[torch.randn(o, k, **bf16) / 32 for o in outs] for _ in range(n)]
+
+    x, x_inter = torch.randn(rows, hidden, **bf16), torch.randn(rows, inter, **bf16)
+    ops = {  # kind: (copies, weight sets, one-launch call, cuBLAS call)
+        "qkv": (*weights(q_out, kv_out, kv_out), lambda w: kernels.qkv_linear(x, *w, None, None, None),
+                lambda w: [F.linear(x, wi) for wi in w]),
+        "gated": (*weights(inter, inter), lambda w: kernels.gated_linear_op(x, *w, "silu"),
+                  lambda w: F.silu(F.linear(x, w[0])) * F.linear(x, w[1])),
+        "linear(o)": (*weights(hidden, k=q_out), lambda w: kernels.grouped_linear(x, w),
+                      lambda w: F.linear(x, w[0])),
+        "linear(down)": (*weights(hidden, k=inter), lambda w: kernels.grouped_linear(x_inter, w),
+                         lambda w: F.linear(x_inter, w[0])),
+    }
+    default = {kind: dict(values) for kind, values in _launch.LINEAR_TUNING.items()}
+    records = []
+    try:
+        for op, (n, sets, fused, cublas) in ops.items():
+            kind = op.split("(")[0]
+            cublas_us = graph_time(lambda i: cublas(sets[i % n]), n) * 1e6
+            for values in product(*SWEEP_GRID.values()):
+                setting = dict(zip(SWEEP_GRID, values))
+                if setting["block_m"] > max(16, rows):
+                    continue  # the launcher clamps it to the rows: a duplicate of a smaller block
+                _launch.LINEAR_TUNING[kind] = setting
+                records.append(dict(shape=shape, rows=rows, op=op, setting=setting, cublas_us=cublas_us,
+                                    us=graph_time(lambda i: fused(sets[i % n]), n) * 1e6))
+            _launch.LINEAR_TUNING.update(default)
+    finally:
+        _launch.LINEAR_TUNING.update(default)
+    return records
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--rows", nargs="+", type=int, default=[64, 448])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/projections.jsonl"))
     parser.add_argument("--commit", default=None)
+    parser.add_argument("--sweep", action="store_true", help="sweep the kernels' launch settings instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/projections.py needs a CUDA GPU.")
     base = gpu_run(args.commit, dtype="bfloat16")
+    if args.sweep:
+        out = args.out if args.out != Path("benchmarks/results/projections.jsonl") else (
+            Path("benchmarks/results/projections_sweep.jsonl"))
+        records = [dict(base, **r) for shape in args.shapes for rows in args.rows for r in sweep(shape, rows)]
+        append_records(out, records)
+        for key in sorted({(r["shape"], r["rows"], r["op"]) for r in records}):
+            group = sorted((r for r in records if (r["shape"], r["rows"], r["op"]) == key), key=lambda r: r["us"])
+            default = next((r for r in group if r["setting"] == _default_setting(r["op"])), {"us": float("nan")})
+            best, second = group[0], group[1]
+            print(f"{key[0]:<14} {key[1]:>4} {key[2]:<13} cuBLAS {best['cublas_us']:6.1f} us | current "
+                  f"{default['us']:6.1f} | best {best['us']:6.1f} {best['setting']} | 2nd {second['us']:6.1f}")
+        return
     records = [dict(base, **measure(shape, rows)) for shape in args.shapes for rows in args.rows]
     append_records(args.out, records)
     print(f"{'shape':<14} {'rows':>5} {'qkv: 3 cuBLAS':>14} {'1 fused':>8} {'mlp: 3 launches':>16} {'1 fused':>8}  us")
@@ -77,6 +142,12 @@ def main() -> None:
         print(f"{r['shape']:<14} {r['rows']:>5} {r['qkv_separate_us']:>14.1f} {r['qkv_fused_us']:>8.1f} "
               f"{r['mlp_separate_us']:>16.1f} {r['mlp_fused_us']:>8.1f}   "
               f"(qkv rel. error {r['qkv_relative_error']:.1e})")
+
+
+def _default_setting(op: str) -> dict:
+    from hf_vegas_kernels import _launch
+
+    return _launch.LINEAR_TUNING[op.split("(")[0]]
 
 
 if __name__ == "__main__":

@@ -31,4 +31,4 @@ def gpu_run(commit_arg: str | None = None, **extra) -> dict:
     import triton
 
     return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                commit=commit_arg or commit(), **extra)
+                commit=commit_arg or commit(), dirty=dirty(), **extra)
