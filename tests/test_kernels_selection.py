@@ -10,6 +10,16 @@ kernels = import_kernels()
 UNTOUCHED = -7
 
 
+@pytest.fixture(params=["row in registers", "tiled passes"], autouse=True)
+def kernel_variant(request, monkeypatch):
+    """Every test runs both kernels: a row held in registers (short rows) and the tiled threshold passes (long)."""
+    from hf_vegas_kernels import select
+
+    if request.param == "tiled passes":
+        monkeypatch.setattr(select, "ROW_IN_REGISTERS", 0)
+    return request.param
+
+
 def _check_topk(scores, count, cand_end, out):
     for b in range(scores.shape[0]):
         k, n = int(count[b]), int(cand_end[b])
@@ -66,10 +76,12 @@ def test_select_handles_extreme_magnitudes():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU versions above cover it")
 @pytest.mark.gpu
-def test_select_at_real_sizes_on_gpu():
-    scores = torch.randn(8, 131_072, device="cuda")
-    cand_end = torch.tensor([131_072, 100_000, 32_768, 8192, 300, 256, 131_000, 65_536], device="cuda")
-    scores[torch.arange(131_072, device="cuda")[None, :] >= cand_end[:, None]] = float("-inf")
+@pytest.mark.parametrize("slots", [131_072, 16_384, 7_519])
+def test_select_at_real_sizes_on_gpu(slots):
+    scores = torch.randn(8, slots, device="cuda")
+    ends = [131_072, 100_000, 32_768, 8192, 300, 256, 131_000, 65_536]
+    cand_end = torch.tensor([min(end, slots - i) for i, end in enumerate(ends)], device="cuda")
+    scores[torch.arange(slots, device="cuda")[None, :] >= cand_end[:, None]] = float("-inf")
     count = torch.clamp(torch.ceil(0.07 * cand_end), min=256).long().minimum(cand_end)
     out = _run(scores, count, cand_end)
     _check_topk(scores, count, cand_end, out)

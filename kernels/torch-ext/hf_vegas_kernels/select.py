@@ -6,6 +6,11 @@ thresholds at once, how many candidates reach them and keeps the highest thresho
 as many ties as still fit, in slot order. The lists are therefore ascending (local gathers for the draft kernel)
 and deterministic. One program per (layer, row): after a verification every full-attention layer selects in one
 launch (`layers * batch` programs); the `last_token` policy selects per layer after acceptance.
+
+A row of at most `ROW_IN_REGISTERS` slots is loaded once and kept in registers (`_select_topk_row`): the k-th key is
+then found by bisection, one reduction per bit (32), and the slots are written with one scan. Reloading the row for
+each of the threshold passes cost 0.59 ms per verification at SmolLM2 64 x 7.5K (30 layers, 1 920 programs) on an
+H100, against a ~20 us read of the scores.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import triton.language as tl
 
 _THRESHOLDS = 16
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+ROW_IN_REGISTERS = 16384
 
 
 @triton.jit
@@ -78,6 +84,38 @@ def _select_topk(
         ties_seen += tl.sum(tie, axis=0)
 
 
+@triton.jit
+def _select_topk_row(
+    Scores, Count, CandEnd, Out, Layers, batch,
+    stride_sl, stride_sb, stride_ol, stride_ob,
+    BLOCK_S: tl.constexpr,
+):
+    program = tl.program_id(0)
+    layer = tl.load(Layers + program // batch)
+    b = (program % batch).to(tl.int64)
+    k = tl.load(Count + b).to(tl.int32)
+    n = tl.load(CandEnd + b)
+    slot = tl.arange(0, BLOCK_S)
+    valid = slot < n
+    key = _ordered_key(tl.load(Scores + layer * stride_sl + b * stride_sb + slot, mask=valid, other=float("-inf")))
+    key = tl.where(valid, key, -2147483648)  # below every threshold tried (all > INT32_MIN): never counted
+    # Invariant: at least k candidates have key >= lo, and the k-th largest key lies in [lo, hi].
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        reached = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
+        lo = tl.where(reached >= k, mid, lo)
+        hi = tl.where(reached >= k, hi, mid - 1)
+    kth = lo.to(tl.int32)
+    ties_wanted = k - tl.sum((key > kth).to(tl.int32), axis=0)
+    tie = (valid & (key == kth)).to(tl.int32)
+    tie_rank = tl.cumsum(tie, axis=0) - tie
+    take = ((key > kth) | ((tie == 1) & (tie_rank < ties_wanted))).to(tl.int32)
+    position = tl.cumsum(take, axis=0) - take
+    tl.store(Out + layer * stride_ol + b * stride_ob + position, slot.to(tl.int64), mask=take == 1)
+
+
 def select_topk(scores, count, cand_end, out, layers=None):
     """Write into `out[..., b, :count[b]]` the slots of the `count[b]` highest `scores[..., b, :cand_end[b]]`.
 
@@ -92,9 +130,12 @@ def select_topk(scores, count, cand_end, out, layers=None):
     if layers is None:
         layers = torch.arange(scores.shape[0], device=scores.device)
     batch = scores.shape[1]
-    _select_topk[(layers.numel() * batch,)](
-        scores, count, cand_end, out3, layers, batch,
-        scores.stride(0), scores.stride(1), out3.stride(0), out3.stride(1),
-        BLOCK_S=1024, THRESHOLDS=_THRESHOLDS, num_warps=8,
-    )
+    grid = (layers.numel() * batch,)
+    args = (scores, count, cand_end, out3, layers, batch,
+            scores.stride(0), scores.stride(1), out3.stride(0), out3.stride(1))
+    if scores.shape[-1] <= ROW_IN_REGISTERS:
+        block = triton.next_power_of_2(scores.shape[-1])
+        _select_topk_row[grid](*args, BLOCK_S=block, num_warps=16 if block > 8192 else 8)
+    else:
+        _select_topk[grid](*args, BLOCK_S=1024, THRESHOLDS=_THRESHOLDS, num_warps=8)
     return out
