@@ -128,7 +128,10 @@ def accept_sampling(draft: torch.Tensor, draft_scores: torch.Tensor, target_scor
     n = leading_true(u * q_tok <= p_tok)
     rows = torch.arange(draft.shape[0], device=draft.device)
     p_n = p[rows, n]
-    q_n = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, n]  # zero after the last draft: bonus = p_G
+    # q at the first rejected draft; zero after the last draft (the bonus comes from p_G). Gathered, not padded: a
+    # padded copy of q would move the whole (B, G, V) tensor for one position per row.
+    drafts = draft.shape[1]
+    q_n = torch.where((n < drafts)[:, None], q[rows, n.clamp(max=drafts - 1)], 0.0)
     residual = (p_n - q_n).clamp_min(0)
     total = residual.sum(dim=-1, keepdim=True)
     # p == q leaves nothing to resample from; that position is then never rejected, but keep p to stay defined.
