@@ -114,6 +114,24 @@ def bound(model, workload, method, new_tokens, config, tokens_per_iteration, ban
     return dict(bound_step_bytes=step_bytes, bound_step_ms=seconds * 1e3, bound_tokens_per_s=tokens / seconds)
 
 
+def _inductor_options(pairs: list[str]) -> dict:
+    """`["combo_kernels=True"]` -> `{"combo_kernels": True}`, each option checked against torch's inductor config."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    options = {}
+    for pair in pairs:
+        option, sep, value = pair.partition("=")
+        if not sep or not hasattr(inductor_config, option):
+            raise SystemExit(f"--inductor takes OPTION=VALUE with an option of torch._inductor.config, got {pair!r}")
+        try:
+            options[option] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[option] = value  # a plain string value
+    return options
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=None,
@@ -140,6 +158,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.jsonl"))
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--inductor", nargs="+", default=[], metavar="OPTION=VALUE",
+                        help="torch._inductor.config options for the compiled steps, e.g. combo_kernels=True "
+                             "(recorded with the results; to measure which compiler levers pay)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/throughput.py needs a CUDA GPU.")
@@ -149,11 +170,15 @@ def main() -> None:
     if args.decodings is None:
         args.decodings = ["greedy"] if args.sweep else list(DECODINGS)
     plan = [workloads.parse_workload(w) for w in args.workloads]  # bad input fails before any GPU work
+    inductor = _inductor_options(args.inductor)
     plan.sort(key=lambda w: not w.real_weights)  # real models first: the projections need their tokens/iteration
 
     bandwidth = read_bandwidth()
     base = gpu_run(args.commit, transformers=transformers.__version__, hf_vegas=hf_vegas.__version__,
-                   dtype="bfloat16", read_bandwidth_GBps=bandwidth / 1e9)
+                   dtype="bfloat16", read_bandwidth_GBps=bandwidth / 1e9,
+                   **({"inductor": inductor} if inductor else {}))
+    for option, value in inductor.items():
+        setattr(torch._inductor.config, option, value)
     texts = None
     if any(w.real_weights for w in plan):
         from prompts import load_texts
