@@ -6,17 +6,20 @@ import functools
 
 import torch
 
-# Launch parameters of the attention kernel, per kind of call, chosen on an H100 with
-# `benchmarks/kernel_bandwidth.py --sweep` (results in benchmarks/results/kernels_sweep.jsonl). `waves`: programs per
-# SM the splits aim for. Verification (several query tokens) with head_dim 128 and at least 32 (row, KV head) pairs wanted many more splits (Qwen3-8B,
-# batch 4 x 32K: 212 us at 8 waves, 258 us at 2), but not at batch 1 (1 x 128K: 196 us at 2 waves, 217 us at 8),
-# and head_dim 64 fewer (SmolLM2, batch 64 x 8K: 161 us at 2 waves, 189 us at 8). Sparse drafts (`--draft-only`,
-# SmolLM2 at 7.5K, a 525-slot selection) want about 1.5-2 programs per SM, rounded to the nearest split count
-# ("nearest"): batch 64 takes one split, whose program writes the output itself (15.6 us against 20.5 us with the
-# earlier 64-slot blocks and 4 waves), batch 16 five (8.6 against 9.0), batch 4 five (6.5 against 6.3). The
-# benchmark overrides these to sweep; nothing else should.
+# Launch parameters of the attention kernels, per kind of call, chosen on an H100 with
+# `benchmarks/kernel_bandwidth.py --sweep` (results in benchmarks/results/kernels_sweep.jsonl). `waves`: programs
+# per SM the splits aim for. Verification (several query tokens) with head_dim 128 and at least 32 (row, KV head)
+# pairs wanted many more splits (Qwen3-8B, batch 4 x 32K: 212 us at 8 waves, 258 us at 2), but not at batch 1
+# (1 x 128K: 196 us at 2 waves, 217 us at 8), and head_dim 64 fewer (SmolLM2, batch 64 x 8K: 161 us at 2 waves,
+# 189 us at 8). Sparse drafts (`--draft-only`, SmolLM2 at 7.5K, a 525-slot selection) want about 1.5-2 programs
+# per SM, rounded to the nearest split count ("nearest"): batch 64 takes one split, whose program writes the output
+# itself (15.6 us against 20.5 us with 64-slot blocks and 4 waves), batch 16 five (8.6 against 9.0), batch 4 five
+# (6.5 against 6.3). The benchmark overrides these to sweep; nothing else should.
 TUNING = {
     "sparse": {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 2, "nearest": True},
+    # Drafts whose KV heads fit one program (`draft_attention.fits`); "enabled": False keeps them on "sparse".
+    "sparse_all_heads": {"block_n": 32, "num_warps": 4, "num_stages": 2, "waves": 2, "nearest": True,
+                         "enabled": True},
     "dense": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2},
     "verify": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2},
     "verify_wide_head": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 8},

@@ -11,8 +11,9 @@ and keeps the rest (at least one token: the highest-index one scored `t_c`). `t_
 over order-preserving int32 keys of the scores: each pass measures `G` at 16 thresholds and keeps the bracket that
 holds `t_c`, so 8 passes pin all 32 bits. Every pass is one launch of (row, chunk) programs: a row is spread over
 the whole GPU instead of one program re-reading it a dozen times (one program per row measured 1.3 ms for 448 rows
-of 49K on an H100, these launches 1.0 ms, the sort 2.8 ms). A pass's programs each rebuild their row's bracket from the previous pass's
-per-chunk masses, in the same order, so all of them agree; 11 launches in all, no host synchronisation.
+of 49K on an H100, these launches 1.0 ms, the sort 2.8 ms). A pass's programs each rebuild their row's bracket
+from the previous pass's per-chunk masses, in the same order, so all of them agree; 11 launches in all, no host
+synchronisation.
 
 The cumulative sums are fp32 sums in another order than the sort's scan, so a token whose cumulative probability
 lies within rounding of `1 - top_p` may fall on the other side (as it may between two GPUs running the warper).
