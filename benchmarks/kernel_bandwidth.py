@@ -134,39 +134,23 @@ def _draft_time(q1, caches, slot1, kv_len, context, batch, scaling) -> float:
                                                  scaling, list_len=count + 2 * GAMMA + 1), len(caches))
 
 
-def _settings(draft_only: bool):
-    """(kernel, kinds to set, setting) for every point of the sweep's grid."""
-    from itertools import product
-
-    if not draft_only:
-        for block_n, warps, stages, waves in product([32, 64, 128], [2, 4, 8], [2, 3], [0, 1, 2, 4, 8]):
-            yield "per_head", ["sparse", "dense", "verify", "verify_wide_head"], {
-                "block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves}
-        return
-    # Drafts: the per-(row, KV head) kernel as tuned, against the all-heads kernel over its own grid.
-    yield "per_head", [], {}
-    for block_n, warps, stages, waves in product([16, 32, 64], [2, 4, 8], [1, 2, 3], [0, 1, 2, 4]):
-        yield "all_heads", ["sparse_all_heads"], {"block_n": block_n, "num_warps": warps, "num_stages": stages,
-                                                  "waves": waves, "nearest": True}
-
-
 def sweep(name, batch, context, dtype, bandwidth, base, write, draft_only=False):
     """Time draft, dense and verify(+logits) (or the draft alone) under every launch setting of a grid, set into
     `_launch.TUNING` (waves 0: one split per (row, KV head), no combine launch)."""
+    from itertools import product
+
     from hf_vegas_kernels import _launch
 
     default = {kind: dict(values) for kind, values in _launch.TUNING.items()}
     try:
-        for kernel, kinds, setting in _settings(draft_only):
-            _launch.TUNING.update({kind: dict(values) for kind, values in default.items()})
-            _launch.TUNING["sparse_all_heads"]["enabled"] = kernel == "all_heads"
-            for kind in kinds:
-                _launch.TUNING[kind] = {**default[kind], **setting}
+        for block_n, warps, stages, waves in product([32, 64, 128], [2, 4, 8], [2, 3], [0, 1, 2, 4, 8]):
+            setting = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves}
+            for kind in ["sparse"] if draft_only else _launch.TUNING:  # sparse and dense lists alike
+                _launch.TUNING[kind] = dict(setting)
             times = bench_shape(name, batch, context, dtype, bandwidth, base, lambda record: None,
                                 light="draft" if draft_only else True)
-            write({**base, "sweep": setting or dict(default["sparse"]), "kernel": kernel, "shape": name,
-                   "batch": batch, "context": context, "op": "sweep",
-                   **{f"{op}_us": t * 1e6 for op, t in times.items()}})
+            write({**base, "sweep": setting, "shape": name, "batch": batch, "context": context,
+                   "op": "sweep", **{f"{op}_us": t * 1e6 for op, t in times.items()}})
     finally:
         _launch.TUNING.update(default)
 
@@ -218,10 +202,7 @@ def main() -> None:
             rows = [r for r in records if (r["shape"], r["batch"], r["context"]) == key]
             for op in ("draft",) if args.draft_only else ("draft", "dense", "verify", "verify_logits"):
                 best = min(rows, key=lambda r: r[f"{op}_us"])
-                print(f"{key} best {op}: {best[f'{op}_us']:.1f} us with {best.get('kernel')} {best['sweep']}")
-                if op == "draft" and args.draft_only:
-                    tuned = next(r for r in rows if r["kernel"] == "per_head")
-                    print(f"{key} per-head kernel as tuned: {tuned['draft_us']:.1f} us")
+                print(f"{key} best {op}: {best[f'{op}_us']:.1f} us with {best['sweep']}")
         return
 
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s, read bandwidth {base['read_bandwidth_GBps']:.0f} GB/s "

@@ -37,9 +37,7 @@ def _assert_close(actual, expected, dtype):
 
 @pytest.mark.parametrize("tokens", [1, 4, 7])
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS)
-def test_sparse_draft_attention(monkeypatch, head_dim, q_heads, kv_heads, tokens):
-    """The per-(row, KV head) kernel; one-token drafts that fit one program per row have their own test below."""
-    monkeypatch.setitem(_launch.TUNING, "sparse_all_heads", {**_launch.TUNING["sparse_all_heads"], "enabled": False})
+def test_sparse_draft_attention(head_dim, q_heads, kv_heads, tokens):
     tails = [tokens, tokens + 2, tokens]  # the tail: accepted tokens since the selection plus the drafts
     case = make_case(LENGTHS, tails, tokens, head_dim, q_heads, kv_heads, seed=head_dim + tokens)
     readable = sparse_readable(case)
@@ -47,38 +45,6 @@ def test_sparse_draft_attention(monkeypatch, head_dim, q_heads, kv_heads, tokens
     got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args)
     expected = reference.sparse_draft_attention(case.q, case.k, case.v, *args)
     _assert_close(got, expected, torch.float32)
-
-
-@pytest.mark.parametrize("waves", [0, 2, 8])
-@pytest.mark.parametrize("softcap", [None, 5.0])
-@pytest.mark.parametrize("head_dim,q_heads,kv_heads", [(64, 2, 2), (128, 6, 2), (64, 8, 1), (48, 9, 3)])
-def test_all_heads_draft_kernel(monkeypatch, head_dim, q_heads, kv_heads, softcap, waves):
-    """One-token drafts whose KV heads fit one program: every head's output from the block-diagonal query tile, one
-    split (no combine) or several (head_dim 48: a wide row that is no power of two)."""
-    from hf_vegas_kernels import draft_attention
-
-    monkeypatch.setitem(_launch.TUNING, "sparse_all_heads", {**_launch.TUNING["sparse_all_heads"], "waves": waves})
-    calls = []
-    original = draft_attention.attend_all_heads
-    monkeypatch.setattr(draft_attention, "attend_all_heads", lambda *a, **kw: calls.append(1) or original(*a, **kw))
-    case = make_case(LENGTHS, [1, 3, 1], 1, head_dim, q_heads, kv_heads, seed=head_dim + q_heads)
-    readable = sparse_readable(case)
-    args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling, softcap)
-    got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args)
-    assert calls == [1], "this draft fits one program per row"
-    _assert_close(got, reference.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
-
-
-def test_drafts_that_do_not_fit_one_program_keep_the_per_head_kernel():
-    from hf_vegas_kernels import draft_attention
-
-    case = make_case(LENGTHS, [1, 1, 1], 1, 256, 8, 2)
-    assert not draft_attention.fits(case.q, case.k, case.v), "2 KV heads of 256 are wider than one program holds"
-    q, k, v = (t[..., :64].contiguous() for t in (case.q, case.k, case.v))
-    assert draft_attention.fits(q, k, v)
-    heads_first = k.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, a slot's heads not adjacent
-    assert not draft_attention.fits(q, heads_first, v)
-    assert not draft_attention.fits(torch.cat([q, q], dim=2), k, v), "two query tokens"
 
 
 @pytest.mark.parametrize("list_len", [1, 10_000])
@@ -142,51 +108,35 @@ def test_dense_decode_equals_verify_without_scores():
 
 
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", [HEADS[1], HEADS[3]])
-def test_one_split_writes_what_the_combine_would(monkeypatch, head_dim, q_heads, kv_heads):
-    """`waves` 0: one program per (row, KV head) writes output and log-sum-exp itself, without the combine launch.
-    Same outputs as the reference, and the same log-sum-exp (which turns emitted logits into weights) as the split
-    path."""
-    tokens = 7
-    case = make_case(LENGTHS, [tokens - 1] * 3, tokens, head_dim, q_heads, kv_heads, seed=11)
-    rows = torch.tensor([0, tokens - 1], device=DEVICE)
-    args = (case.q_slot, case.kv_len, case.scaling)
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_one_split_writes_what_the_combine_would(monkeypatch, head_dim, q_heads, kv_heads, tokens):
+    """A sparse draft of one split per (row, KV head) writes output and log-sum-exp itself, without the combine
+    launch: the same output as the reference, the same log-sum-exp as the split path."""
+    from hf_vegas_kernels.attention import attend
+
+    case = make_case(LENGTHS, [tokens + 1] * 3, tokens, head_dim, q_heads, kv_heads, seed=11)
+    readable = sparse_readable(case)
+    k, v = poisoned(case.k, readable), poisoned(case.v, readable)
 
     def run():
-        verify = kernels.verify_attention(case.q, case.k, case.v, *args, rows, "weights")
-        sparse = kernels.sparse_draft_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.sel_idx,
-                                                case.sel_count, case.sel_end, case.scaling)
-        return verify, sparse
+        return attend(case.q, k, v, case.q_slot, case.kv_len, case.scaling, tail_start=case.sel_end,
+                      list_len=case.sel_idx.shape[1] + tokens + 1, sel_idx=case.sel_idx, sel_count=case.sel_count)
 
-    (split_out, split_emitted, split_lse), _ = run()
-    for kind in _launch.TUNING:
-        monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], "waves": 0})
-    (out, emitted, lse), sparse = run()
-    _assert_close(out, reference.dense_attention(case.q, case.k, case.v, *args), torch.float32)
-    _assert_close(sparse, reference.sparse_draft_attention(case.q, case.k, case.v, case.q_slot, case.kv_len,
-                                                           case.sel_idx, case.sel_count, case.sel_end, case.scaling),
-                  torch.float32)
+    from hf_vegas_kernels.attention import _num_splits
+
+    monkeypatch.setitem(_launch.TUNING, "sparse", {**_launch.TUNING["sparse"], "waves": 8, "block_n": 16})
+    assert _num_splits(case.sel_idx.shape[1], 3 * kv_heads, 16, 8, torch.device(DEVICE))[0] > 1
+    split_out, split_lse, _ = run()
+    monkeypatch.setitem(_launch.TUNING, "sparse", {**_launch.TUNING["sparse"], "waves": 0})
+    out, lse, _ = run()
+    expected = reference.sparse_draft_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.sel_idx,
+                                                case.sel_count, case.sel_end, case.scaling)
+    _assert_close(out, expected, torch.float32)
+    _assert_close(split_out, expected, torch.float32)
     _assert_close(lse, split_lse, torch.float32)
-    torch.testing.assert_close(emitted, split_emitted, equal_nan=True)
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU versions above cover it")
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim,q_heads,kv_heads", [(64, 9, 3), (128, 16, 2), (64, 32, 4)])
-def test_all_heads_draft_at_real_sizes_on_gpu(head_dim, q_heads, kv_heads, dtype):
-    case = make_case([8191, 3000, 20_001, 77], [1, 4, 1, 2], 1, head_dim, q_heads, kv_heads, dtype=dtype,
-                     device="cuda", sparsity=0.07)
-    f32 = dataclasses.replace(case, q=case.q.float(), k=case.k.float(), v=case.v.float())
-    args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
-    readable = sparse_readable(case)
-    from hf_vegas_kernels import draft_attention
-
-    assert draft_attention.fits(case.q, case.k, case.v)
-    got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args)
-    _assert_close(got, reference.sparse_draft_attention(f32.q, f32.k, f32.v, *args), dtype)
 
 
 @gpu

@@ -14,12 +14,11 @@ import torch
 # 189 us at 8). Sparse drafts (`--draft-only`, SmolLM2 at 7.5K, a 525-slot selection) want about 1.5-2 programs
 # per SM, rounded to the nearest split count ("nearest"): batch 64 takes one split, whose program writes the output
 # itself (15.6 us against 20.5 us with 64-slot blocks and 4 waves), batch 16 five (8.6 against 9.0), batch 4 five
-# (6.5 against 6.3). The benchmark overrides these to sweep; nothing else should.
+# (6.5 against 6.3). A kernel with every KV head of a row in one program (contiguous slot reads, a block-diagonal
+# query tile) was slower at every batch (19.7 / 9.7 / 6.8 us at 64 / 16 / 4 rows, commit ece2ebb) and was dropped.
+# The benchmark overrides these to sweep; nothing else should.
 TUNING = {
     "sparse": {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 2, "nearest": True},
-    # Drafts whose KV heads fit one program (`draft_attention.fits`); "enabled": False keeps them on "sparse".
-    "sparse_all_heads": {"block_n": 32, "num_warps": 4, "num_stages": 2, "waves": 2, "nearest": True,
-                         "enabled": True},
     "dense": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2},
     "verify": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2},
     "verify_wide_head": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 8},

@@ -238,6 +238,9 @@ def attend(
         kind = "verify_wide_head" if block_d >= 128 and batch * kv_heads >= 32 else "verify"
     tuning = _launch.TUNING[kind]
     block_n = tuning["block_n"] if max(block_d, block_dv) <= 128 else 32
+    stages = tuning["num_stages"]
+    if q.element_size() > 2:  # fp32 tiles are twice as large: the half-precision settings may not fit in shared memory
+        block_n, stages = min(block_n, 64), min(stages, 2)
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("attend: the cache's last dimension must be contiguous")
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -248,7 +251,9 @@ def attend(
     f32 = {"dtype": torch.float32, "device": device}
     out = _launch.empty(batch, num_tokens, q_heads, v_dim, dtype=q.dtype, device=device)
     lse = _launch.empty(batch, num_tokens, q_heads, **f32)
-    single = splits == 1
+    # Sparse drafts of one split write their result in the kernel (measured faster, `_launch.TUNING`); other kinds keep
+    # the combine, whose epilogue needs no extra shared memory in the main kernel.
+    single = splits == 1 and sparse
     parts = 1 if single else batch * kv_heads * splits * rows  # split states, for the combine
     m_part = _launch.empty(parts, **f32)
     l_part = _launch.empty(parts, **f32)
@@ -276,7 +281,7 @@ def attend(
         SPARSE=sparse, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
         EMIT=emit, NUM_SCORE_ROWS=score_rows.numel() if emitting else 0,
         BLOCK_E=max(16, triton.next_power_of_2(emit_rows)), PRECISION=_launch.dot_precision(q.dtype),
-        SINGLE=single, num_warps=tuning["num_warps"], num_stages=tuning["num_stages"],
+        SINGLE=single, num_warps=tuning["num_warps"], num_stages=stages,
     )
     if single:
         return out, lse, (emitted if emitting else None)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from . import _launch, draft_attention
 from .attention import EMIT_GROUP_SUM, EMIT_PER_HEAD, attend
 
 
@@ -16,9 +15,6 @@ def sparse_draft_attention(
     `list_len` bounds `sel_count + tail` on the host (it only balances the splits); default: the selection width.
     """
     hint = list_len if list_len is not None else sel_idx.shape[1]
-    if _launch.TUNING["sparse_all_heads"].get("enabled", True) and draft_attention.fits(q, k_cache, v_cache):
-        return draft_attention.attend_all_heads(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end,
-                                                scaling, list_len=hint, softcap=softcap)
     out, _, _ = attend(
         q, k_cache, v_cache, q_slot, kv_len, scaling, tail_start=sel_end, list_len=hint,
         sel_idx=sel_idx, sel_count=sel_count, softcap=softcap,
