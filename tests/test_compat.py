@@ -252,13 +252,18 @@ def test_load_custom_generate_is_how_generate_resolves_a_string(monkeypatch):
 
 
 def test_installed_transformers_is_a_checked_release():
-    """Fails on a release nobody has checked the names above on: run this file there, read each docstring in
-    hf_vegas/_compat/internals.py, then add the release to CHECKED_ON (and README, pyproject.toml)."""
+    """Below the lowest checked release hf_vegas is unsupported: fail. A newer release than the checked ones is what a
+    fresh install gets (hf_vegas supports up to the newest release): the per-name tests above are what guard it, so
+    this one only says so (a skip with its reason) until the release is added to CHECKED_ON (and README,
+    pyproject.toml) after those tests pass on it."""
     def minor(version):
         return tuple(int(part) for part in version.split(".")[:2])
 
     low, high = minor(compat.CHECKED_ON[0]), minor(compat.CHECKED_ON[-1])
-    assert low <= minor(VERSION) <= high, f"transformers {VERSION} is outside the checked range {CHECKED}"
+    assert minor(VERSION) >= low, f"transformers {VERSION} is older than the lowest checked release {CHECKED}"
+    if minor(VERSION) > high:
+        pytest.skip(f"transformers {VERSION} is newer than the checked {CHECKED}: the per-name tests in this file "
+                    "decide whether it works; add it to hf_vegas/_compat/internals.py CHECKED_ON once they pass")
 
 
 def test_readme_and_pyproject_declare_the_checked_range():
