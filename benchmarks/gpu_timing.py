@@ -1,4 +1,4 @@
-"""GPU timing shared by the benchmarks: replayed-CUDA-graph timing and the bandwidths the bounds are measured against."""
+"""GPU timing shared by the benchmarks: replayed-CUDA-graph timing and the bandwidths bounds are measured against."""
 
 from __future__ import annotations
 

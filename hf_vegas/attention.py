@@ -72,6 +72,9 @@ def vegas_attention_forward(
         )
     kernels = _kernels_for(cache, query, key)
     ops = _torch_ops(cache)
+    # The kernels skip finished rows (length 0: they read nothing and output zeros, which nothing uses). The plain
+    # PyTorch ops keep every row's length: a row of length 0 would give them an all-masked softmax (NaN).
+    kv_len = cache.attend_lengths if kernels else cache.lengths
     # A layer may attend more than once per forward (DiffLlama: two value halves over the same keys and queries).
     # The scores depend on queries and keys only, so the layer selects at its first call.
     selecting = full_layer and cache.selecting and module.layer_idx not in cache.selected_layers
@@ -81,12 +84,12 @@ def vegas_attention_forward(
         draft_attention = kernels.sparse_draft_attention if kernels else ops.sparse_draft_attention
         extra = dict(list_len=cache.draft_list_len) if kernels else {}
         out = draft_attention(
-            query, key, value, cache.query_slots, cache.lengths,
+            query, key, value, cache.query_slots, kv_len,
             cache.sel_idx[module.layer_idx], cache.sel_count, cache.sel_end, scaling, softcap, **extra,
         )
     elif kernels is not None and selecting and cache.score_rows is not None:
         out, emitted, lse = kernels.verify_attention(
-            query, key, value, cache.query_slots, cache.lengths, scaling, cache.score_rows,
+            query, key, value, cache.query_slots, kv_len, scaling, cache.score_rows,
             cache.vegas_config.score, softcap,
         )
         _select_from_emitted(cache, kernels, module.layer_idx, emitted, lse, query.shape[1])
@@ -95,7 +98,7 @@ def vegas_attention_forward(
             out = prefill.causal_per_row(query, key, value, cache.prefill_left_pad, scaling)
         else:
             dense = kernels.dense_attention if kernels else ops.dense_attention
-            out = dense(query, key, value, cache.query_slots, cache.lengths, scaling, sliding_window, softcap)
+            out = dense(query, key, value, cache.query_slots, kv_len, scaling, sliding_window, softcap)
         if selecting:
             _select(cache, module.layer_idx, query, key, scaling, softcap)
     return out, None

@@ -113,7 +113,9 @@ class VegasCache(Cache):
     def __init__(self, config, batch_size: int, capacity: int, vegas_config: VegasConfig, device=None,
                  backend: str = "torch", reach: int | None = None):
         if backend not in ("torch", "triton"):
-            raise ValueError(f"VegasCache backend must be 'torch' or 'triton' (resolve 'auto' first), got {backend!r}.")
+            raise ValueError(
+                f"VegasCache backend must be 'torch' or 'triton' (resolve 'auto' first), got {backend!r}."
+            )
         text_config = config.get_text_config(decoder=True)
         num_layers = text_config.num_hidden_layers
         # Positions this generation reaches: a sliding window at least as long is full attention (`layer_types`).
@@ -130,6 +132,10 @@ class VegasCache(Cache):
         long = dict(dtype=torch.long, device=self.device)
         self.row_index = torch.arange(batch_size, **long)
         self.lengths = torch.zeros(batch_size, **long)
+        # Rows still generating (the loop updates it in place before each iteration): the kernels read nothing for
+        # the others (`attend_lengths`), so a batch's last iterations, after most rows have finished, cost less.
+        self.row_active = torch.ones(batch_size, dtype=torch.bool, device=self.device)
+        self.attend_lengths = torch.zeros(batch_size, **long)
         self.left_pad = torch.zeros(batch_size, **long)
         self._left_pad_set = False
         self.verify_end = torch.zeros(batch_size, **long)
@@ -201,6 +207,7 @@ class VegasCache(Cache):
         self.write_slots = torch.where(is_pad, self.capacity, slots)  # pads write into the scratch slot
         self.query_slots = slots.clamp_min(0)  # pad queries look at slot 0 only so their softmax stays finite
         self.lengths.copy_(self.write_start + (num_tokens - self.left_pad))
+        self.attend_lengths = torch.where(self.row_active, self.lengths, 0)
         self.score_rows = None
         # A prefill into an empty cache lets attention run one causal call per row; the host needs the pads for it
         # (one synchronisation per prefill, never in the draft/verify steps).
@@ -290,6 +297,7 @@ class VegasCache(Cache):
         Stale keys and values stay in the buffers: no op reads a slot at or beyond its row's length.
         """
         self.lengths.zero_()
+        self.row_active.fill_(True)
         self.has_selection = False
         self.row_scores.clear()
         self.emitted_layers = []

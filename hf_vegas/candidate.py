@@ -68,7 +68,8 @@ class VegasCandidateGenerator(CandidateGenerator):
             return run(input_ids)
         return self.graphs.run((self.cache.mode, input_ids.shape[1], logits_to_keep), input_ids, run)
 
-    def draft(self, pending: torch.Tensor, tokens: torch.Tensor, history: list[int], start: torch.Tensor | None = None):
+    def draft(self, pending: torch.Tensor, tokens: torch.Tensor, history: list[int],
+              start: torch.Tensor | None = None):
         """Draft `gamma` tokens after each row's `pending` token (the last token, not yet in the cache).
 
         The drafts are written into `tokens` at `history[b] + i` (`start`: `history` on the device, if the caller

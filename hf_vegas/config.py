@@ -46,9 +46,9 @@ class VegasConfig:
             `"torch"` runs the plain-PyTorch reference ops, `"triton"` the Triton kernels, `"auto"` picks Triton on
             CUDA when it is available and the reference otherwise.
         cuda_graphs (`bool`, *optional*, defaults to `True`):
-            Capture the draft, verify and decode forwards as CUDA graphs and replay them (see `hf_vegas.graphs`). Only on
-            CUDA; elsewhere, with the `"last_token"` policy, or when a capture fails, the steps run eagerly and the
-            reason is logged once. The cache and graphs are kept for the next `generate` call of the same shape
+            Capture the draft, verify and decode forwards as CUDA graphs and replay them (see `hf_vegas.graphs`).
+            Only on CUDA; elsewhere, with the `"last_token"` policy, or when a capture fails, the steps run eagerly and
+            the reason is logged once. The cache and graphs are kept for the next `generate` call of the same shape
             bucket; `hf_vegas.release_graphs()` frees them.
         compile (`bool`, *optional*, defaults to `False`):
             `torch.compile` the draft, verify and decode forwards before capturing them (needs `cuda_graphs`): fuses

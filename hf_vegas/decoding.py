@@ -202,6 +202,7 @@ class _Loop:
         accepted = []
         while any(self._active()):
             active = self._active_on_device()
+            self.cache.row_active.copy_(active)
             accepted.append(torch.where(active, self._iterate(active), -1))
         stats = torch.stack(accepted, dim=1) if accepted else first.new_zeros(first.shape[0], 0)
         return self._sequences(self.input_ids.shape[1]), stats

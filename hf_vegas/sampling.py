@@ -2,7 +2,8 @@
 
 Rows of a Vegas batch advance by different amounts, so a row's history (what `generate` would pass to a logits
 processor as `input_ids`) has its own length. Processors that never look at the history run once for the batch;
-any other processor runs once per distinct history length, on exactly the history vanilla `generate` would have shown it.
+any other processor runs once per distinct history length, on exactly the history vanilla `generate` would have
+shown it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Vanilla `generate` checks its stopping criteria after every token. Vegas accepts several tokens at once, so it
 finds the first token after which vanilla would have stopped: the length budget and EOS are vectorised; any other
-criterion (stop strings, custom criteria) is asked once per distinct history length, on exactly the history vanilla would have passed.
+criterion (stop strings, custom criteria) is asked once per distinct history length, on exactly the history vanilla
+would have passed.
 """
 
 from __future__ import annotations

@@ -47,6 +47,27 @@ def test_sparse_draft_attention(head_dim, q_heads, kv_heads, tokens):
     _assert_close(got, expected, torch.float32)
 
 
+@pytest.mark.parametrize("waves", [0, 8])
+def test_a_row_of_length_zero_reads_nothing(monkeypatch, waves):
+    """Finished rows get length 0 (`VegasCache.attend_lengths`): no slot of theirs is read, selection included, and
+    their output is zeros; the other rows are untouched."""
+    monkeypatch.setitem(_launch.TUNING, "sparse", {**_launch.TUNING["sparse"], "waves": waves})
+    case = make_case(LENGTHS, [1, 3, 1], 1, 64, 6, 2, seed=8)
+    readable = sparse_readable(case)
+    readable[1] = False  # row 1 has finished: all of its cache is poisoned
+    kv_len = case.kv_len.clone()
+    kv_len[1] = 0
+    k, v = poisoned(case.k, readable), poisoned(case.v, readable)
+    draft = kernels.sparse_draft_attention(case.q, k, v, case.q_slot, kv_len, case.sel_idx, case.sel_count,
+                                           case.sel_end, case.scaling)
+    dense = kernels.dense_attention(case.q, k, v, case.q_slot, kv_len, case.scaling)
+    expected = reference.sparse_draft_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.sel_idx,
+                                                case.sel_count, case.sel_end, case.scaling)
+    for out in (draft, dense):
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+    _assert_close(draft[[0, 2]], expected[[0, 2]], torch.float32)
+
+
 @pytest.mark.parametrize("list_len", [1, 10_000])
 def test_split_hint_changes_balance_not_result(list_len):
     """A list-length hint far too small or too large must still cover every selected and tail slot."""

@@ -52,6 +52,28 @@ def test_triton_greedy_matches_vanilla(arch, shape, kernel_calls):
     assert kernel_calls["sparse_draft_attention"] > 0 and kernel_calls["verify_attention"] > 0
 
 
+def test_finished_rows_are_skipped_by_the_kernels(monkeypatch):
+    """A row that met EOS while others decode gets length 0 in the kernels (they read nothing for it), and every row's
+    tokens stay vanilla's."""
+    import hf_vegas_kernels
+
+    model, ids, mask = _on_device(tiny_model("llama", seed=2), *ragged_batch([60, 41, 33], seed=2))
+    common = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    free = model.generate(ids, **common)[:, ids.shape[1]:]
+    # An EOS that row 0 emits early and the other rows do not emit before their last tokens.
+    eos = next(int(t) for t in free[0, 1:6] if not (free[1:, :-2] == t).any())
+    kv_lens = []
+    original = hf_vegas_kernels.sparse_draft_attention
+    monkeypatch.setattr(hf_vegas_kernels, "sparse_draft_attention",
+                        lambda *args, **kwargs: kv_lens.append(args[4].tolist()) or original(*args, **kwargs))
+    expected = model.generate(ids, **common, eos_token_id=eos)
+    out = model.generate(ids, **common, eos_token_id=eos, custom_generate="vegas", vegas_gamma=2,
+                         vegas_backend="triton", **SPARSE)
+    assert torch.equal(out, expected)
+    assert any(lens[0] == 0 and min(lens[1:]) > 0 for lens in kv_lens), "row 0 finished first: skipped after"
+    assert kv_lens[0][0] > 0
+
+
 def test_triton_short_prompts_prefill_through_the_kernels(kernel_calls):
     """Prompts short enough that the prefill itself runs the verification kernel, left pads included."""
     model, ids, mask = _on_device(tiny_model("llama", seed=4), *ragged_batch([14, 9, 5], seed=4))

@@ -41,11 +41,13 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype | N
         return "triton" if device.type == "cuda" and _kernels_or_reason()[0] is not None else "torch"
     module, reason = _kernels_or_reason()
     if module is None:
-        raise ValueError(f"`vegas_backend='triton'` needs Triton and hf_vegas_kernels ({reason}); use 'torch' or 'auto'.")
+        raise ValueError(
+            f"`vegas_backend='triton'` needs Triton and hf_vegas_kernels ({reason}); use 'torch' or 'auto'."
+        )
     if device.type != "cuda" and not _interpreting():
         raise ValueError(
-            f"`vegas_backend='triton'` needs the model on a CUDA device, got {device}. On the CPU the kernels run only "
-            "in Triton's interpreter (TRITON_INTERPRET=1, for tests); use 'torch' or 'auto'."
+            f"`vegas_backend='triton'` needs the model on a CUDA device, got {device}. On the CPU the kernels run "
+            "only in Triton's interpreter (TRITON_INTERPRET=1, for tests); use 'torch' or 'auto'."
         )
     if device.type != "cuda" and dtype == torch.bfloat16:
         raise ValueError(

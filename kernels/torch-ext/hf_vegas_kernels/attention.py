@@ -5,7 +5,9 @@ One kernel serves three ops of `hf_vegas.ops.reference`:
 - sparse draft attention: the list is `sel_idx[b, :sel_count[b]]` followed by the tail `[sel_end[b], kv_len[b])`;
 - verification / dense decode attention: the list is `[tail_start[b], kv_len[b])` (`tail_start` is 0, or the
   start of the sliding window), optionally emitting the Collect-2-Query logits of chosen query rows;
-- both causal per query row (`slot <= q_slot[b, t]`), and windowed for sliding layers.
+- both causal per query row (`slot <= q_slot[b, t]`), and windowed for sliding layers;
+- a row of length 0 reads nothing (not even its selection) and gets zeros: the generation loop gives finished rows
+  length 0 here.
 
 A program owns one (split, row, KV head) and all `groups * T` query rows that share that KV head (GQA), so each
 key and value it gathers is read once for all of them. Partial softmax states go to fp32 scratch and
@@ -98,7 +100,7 @@ def _attend_list(
     n = tl.maximum(kv_len - tail_start, 0)
     if SPARSE:
         count = tl.load(SelCount + b)
-        n += count
+        n += tl.where(kv_len > 0, count, 0)  # a row of length 0 (finished: `VegasCache.attend_lengths`) reads nothing
     start = split.to(tl.int64) * chunk
     # The last split runs to the end of the list, so a too-small length hint costs balance, never tokens.
     end = tl.where(split == num_splits - 1, n, tl.minimum(start + chunk, n))
