@@ -30,9 +30,10 @@ def main() -> None:
     parser.add_argument("--commit", nargs="*", default=None, help="plot only these commits' records (default: all)")
     args = parser.parse_args()
     records = read_records(args.records)
-    latest = {}  # the last record of each measurement wins
+    latest = {}  # the last record of each measurement wins (compiler experiments, `--inductor`, are not plotted)
     for r in records:
-        if (args.commit is None or r["commit"] in args.commit) and "tokens_per_s" in r and not r.get("sweep"):
+        if (args.commit is None or r["commit"] in args.commit) and "tokens_per_s" in r and not r.get("sweep") \
+                and not r.get("inductor"):
             latest[(r["model"], r["decoding"], r["batch"], r["prompt_tokens"], r["method"])] = r
     commit = ", ".join(sorted({r["commit"] for r in latest.values()}))
     panels = sorted({(m, d) for m, d, *_ in latest}, key=lambda p: (p[0] != "smollm2", p))
