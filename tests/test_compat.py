@@ -53,13 +53,18 @@ def probe_generate(model, ids, **kwargs) -> dict:
 IDS, MASK = ragged_batch([9, 6])
 
 
-def test_eos_token_tensor_is_set_before_a_callable_runs():
-    seen = probe_generate(tiny_model("llama"), IDS, attention_mask=MASK, eos_token_id=[5, 7], pad_token_id=3)
-    name = "GenerationConfig._eos_token_tensor"
+def special_token(read, name: str, **token_ids):
+    """What `read` (an internals getter) finds on the config a custom_generate callable gets for these token ids."""
+    seen = probe_generate(tiny_model("llama"), IDS, attention_mask=MASK, **token_ids)
     try:
-        eos = compat.eos_token_tensor(seen["generation_config"])
+        return read(seen["generation_config"])
     except compat.TransformersChanged as error:
         pytest.fail(changed(name, f"is not set on the config a custom_generate callable gets ({error})"))
+
+
+def test_eos_token_tensor_is_set_before_a_callable_runs():
+    name = "GenerationConfig._eos_token_tensor"
+    eos = special_token(compat.eos_token_tensor, name, eos_token_id=[5, 7], pad_token_id=3)
     assert isinstance(eos, torch.Tensor) and eos.tolist() == [5, 7], changed(name, f"holds {eos!r}, not [5, 7]")
     assert eos.device == IDS.device, changed(name, "is not on the inputs' device")
     single = probe_generate(tiny_model("llama"), IDS, attention_mask=MASK, eos_token_id=5, pad_token_id=3)
@@ -67,12 +72,8 @@ def test_eos_token_tensor_is_set_before_a_callable_runs():
 
 
 def test_pad_token_tensor_is_set_before_a_callable_runs():
-    seen = probe_generate(tiny_model("llama"), IDS, attention_mask=MASK, eos_token_id=[5, 7], pad_token_id=3)
     name = "GenerationConfig._pad_token_tensor"
-    try:
-        pad = compat.pad_token_tensor(seen["generation_config"])
-    except compat.TransformersChanged as error:
-        pytest.fail(changed(name, f"is not set on the config a custom_generate callable gets ({error})"))
+    pad = special_token(compat.pad_token_tensor, name, eos_token_id=[5, 7], pad_token_id=3)
     assert isinstance(pad, torch.Tensor) and pad.ndim == 0 and int(pad) == 3, changed(name, f"holds {pad!r}, not 3")
     # Without a pad id, vanilla pads finished rows with the first EOS id; hf_vegas pads with what it reads here.
     fallback = probe_generate(tiny_model("llama"), IDS, attention_mask=MASK, eos_token_id=[5, 7], pad_token_id=None)
