@@ -4,17 +4,19 @@
     python benchmarks/profile_forward.py --eager                                            # every kernel launch
     python benchmarks/profile_forward.py --random-weights --sample                          # no GGUF needed
 
-Runs a warm-up generation (Triton compiles, graphs captured), then a second one in which the first draft forward,
-the first verify forward and the first acceptance are each profiled on their own (one replay when graphs are on:
-the profiler still sees every kernel of the graph). Prints, per step kind, the kernel count, the summed kernel time
-and the costliest kernel families; then the peak memory of each step kind and of whole dense (gamma = 0) and Vegas
-generations on the same batch. Random weights have SmolLM2-135M's shape: timing and memory only, no acceptance.
+Runs a warm-up generation (Triton compiles, graphs captured), then a second one in which the first draft (its gamma
+forwards and token choices), the first verify forward and the second iteration are each profiled on their own (one
+replay per graph when graphs are on: the profiler still sees every kernel of the graph). Prints, per step kind, the
+kernel count, the summed kernel time and the costliest kernel families; then the peak memory of each step kind and
+of whole dense (gamma = 0) and Vegas generations on the same batch. Random weights have SmolLM2-135M's shape: timing
+and memory only, no acceptance. `--trace DIR` also writes each profile as a Chrome trace.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -64,6 +66,7 @@ def main() -> None:
     parser.add_argument("--sample", action="store_true", help="temperature 0.6, top-p 0.95 instead of greedy")
     parser.add_argument("--no-fuse", action="store_true", help="vegas_fuse_projections=False")
     parser.add_argument("--top", type=int, default=12, help="kernel families listed per step kind")
+    parser.add_argument("--trace", metavar="DIR", help="also write each profiled step as a Chrome trace into DIR")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/profile_forward.py needs a CUDA GPU.")
@@ -89,13 +92,28 @@ def main() -> None:
 
     # Profile one step of each kind in a third Vegas generation, and the peak memory of each step kind.
     original_forward, original_iterate = VegasCandidateGenerator.forward, decoding._Loop._iterate
+    original_draft = VegasCandidateGenerator.draft
     profiles, step_peaks = {}, defaultdict(float)
+
+    def draft(drafter, *draft_args, **kwargs):  # the gamma draft forwards and token choices (one graph)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        if "draft" not in profiles and not profiling_iteration:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                out = original_draft(drafter, *draft_args, **kwargs)
+                torch.cuda.synchronize()
+            profiles["draft"] = prof
+        else:
+            out = original_draft(drafter, *draft_args, **kwargs)
+        torch.cuda.synchronize()
+        step_peaks["draft"] = max(step_peaks["draft"], torch.cuda.max_memory_allocated() / GiB)
+        return out
 
     def forward(drafter, input_ids, logits_to_keep, mode=None, left_pad=None):
         kind = mode or drafter.cache.mode
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        if kind in ("draft", "verify") and kind not in profiles and not profiling_iteration:
+        if kind == "verify" and kind not in profiles and not profiling_iteration:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 out = original_forward(drafter, input_ids, logits_to_keep, mode, left_pad)
                 torch.cuda.synchronize()
@@ -114,7 +132,7 @@ def main() -> None:
             return original_iterate(loop, active)
         torch.cuda.synchronize()
         profiling_iteration = True
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             n = original_iterate(loop, active)
             torch.cuda.synchronize()
         profiling_iteration = False
@@ -122,17 +140,22 @@ def main() -> None:
         return n
 
     VegasCandidateGenerator.forward, decoding._Loop._iterate = forward, iterate
+    VegasCandidateGenerator.draft = draft
     try:
         model.generate(ids, **common, vegas_gamma=6)
     finally:
         VegasCandidateGenerator.forward, decoding._Loop._iterate = original_forward, original_iterate
+        VegasCandidateGenerator.draft = original_draft
 
     print(f"batch {args.batch} x {args.prompt_tokens}, {'sampling' if args.sample else 'greedy'}, "
           f"{'eager' if args.eager else 'graphs'}{' + compile' if args.compile else ''}"
           f"{'' if args.no_fuse else ', fused projections'}")
     for kind in ("draft", "verify", "iteration"):
-        print(f"\n== one {kind}:")
+        print(f"\n== one {kind}{' (gamma = 6 forwards and token choices)' if kind == 'draft' else ''}:")
         print(kernel_table(profiles[kind], args.top))
+        if args.trace:
+            Path(args.trace).mkdir(parents=True, exist_ok=True)
+            profiles[kind].export_chrome_trace(str(Path(args.trace) / f"{kind}.json"))
     print("\npeak memory per step kind (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in step_peaks.items()))
     for name, (base, peak) in peaks.items():
         print(f"{name:>6} generation: {base / GiB:.2f} GiB allocated before, peak {peak / GiB:.2f} GiB")

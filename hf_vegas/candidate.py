@@ -42,41 +42,75 @@ class VegasCandidateGenerator(CandidateGenerator):
         Returns the kept logits.
 
         `mode` declares the forward to the cache; `None` keeps what the cache was told last (after `draft`, the
-        verification of its drafts). Draft, verify and decode forwards replay CUDA graphs when `graphs` is set;
-        their logits are then the graph's output buffer, valid until the next forward.
+        verification of its drafts). Verify and decode forwards replay CUDA graphs when `graphs` is set; their
+        logits are then the graph's output buffer, valid until the next forward of that kind.
         """
         if mode is not None:
             self.cache.begin(mode, left_pad)
-
-        def run(ids: torch.Tensor) -> torch.Tensor:
-            offsets = torch.arange(ids.shape[1], device=ids.device)
-            position_ids = self.cache.lengths[:, None] + offsets[None, :]  # read on the device: graph-safe
-            if left_pad is not None:
-                position_ids = (position_ids - left_pad[:, None]).clamp_min(0)
-            # A prefill may start from embeddings (`generate(inputs_embeds=...)`): `(B, T, hidden)` floats.
-            inputs = dict(inputs_embeds=ids) if ids.is_floating_point() else dict(input_ids=ids)
-            out = self.model(
-                **inputs,
-                position_ids=position_ids,
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-            )
-            return out.logits
-
         if self.graphs is None or self.cache.mode == "prefill":  # prefills vary in length: always eager
-            return run(input_ids)
-        return self.graphs.run((self.cache.mode, input_ids.shape[1], logits_to_keep), input_ids, run)
+            return self.call_model(input_ids, logits_to_keep, left_pad)
+        key = (self.cache.mode, input_ids.shape[1], logits_to_keep)
+        return self.graphs.run(key, lambda ids: self.call_model(ids, logits_to_keep), input_ids)
+
+    def call_model(self, ids: torch.Tensor, logits_to_keep: int, left_pad: torch.Tensor | None = None):
+        """The model on `ids` in the cache's current mode (compiled while `graphs` compiles or captures a step)."""
+        run = self._run_model if self.graphs is None else self.graphs.compiled(self._run_model)
+        return run(ids, logits_to_keep, left_pad)
+
+    def _run_model(self, ids: torch.Tensor, logits_to_keep: int, left_pad: torch.Tensor | None):
+        offsets = torch.arange(ids.shape[1], device=ids.device)
+        position_ids = self.cache.lengths[:, None] + offsets[None, :]  # read on the device: graph-safe
+        if left_pad is not None:
+            position_ids = (position_ids - left_pad[:, None]).clamp_min(0)
+        # A prefill may start from embeddings (`generate(inputs_embeds=...)`): `(B, T, hidden)` floats.
+        inputs = dict(inputs_embeds=ids) if ids.is_floating_point() else dict(input_ids=ids)
+        out = self.model(**inputs, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=logits_to_keep)
+        return out.logits
 
     def draft(self, pending: torch.Tensor, tokens: torch.Tensor, history: list[int],
-              start: torch.Tensor | None = None):
+              start: torch.Tensor | None = None, keep_scores: bool = True):
         """Draft `gamma` tokens after each row's `pending` token (the last token, not yet in the cache).
 
-        The drafts are written into `tokens` at `history[b] + i` (`start`: `history` on the device, if the caller
-        has it), so each step's processors see the right history.
-        Returns `(draft_tokens (B, gamma), draft_scores (B, gamma, V))`; the cache is left as before the draft.
+        Returns `(draft_tokens (B, gamma), draft_scores (B, gamma, V))`, the scores the drafts were chosen from
+        after the processors (None when not `keep_scores`: greedy acceptance never reads them). The cache is left as
+        before the draft, set up for the verification.
+
+        With graphs and processors that can be captured (`LogitsPipeline.capture_key`), the gamma forwards and token
+        choices are one CUDA graph, whose outputs are valid until the next draft. Processors that read the history
+        get it: the drafts are then written into `tokens` at `history[b] + i` (`start`: `history` on the device, if
+        the caller has it) step by step, and each forward is its own graph.
         """
         committed = self.cache.lengths.clone()
+        self.cache.begin("draft")
+        key = self.pipeline.capture_key
+
+        def steps(ids):
+            return self._draft_steps(ids, keep_scores)
+
+        if self.graphs is not None and key is not None:
+            drafts, scores = self.graphs.run(("draft", self.gamma, self.do_sample, keep_scores, key), steps, pending)
+        elif self.graphs is None and self.pipeline.batched:
+            drafts, scores = steps(pending)
+        else:
+            drafts, scores = self._draft_with_history(pending, tokens, history, start, keep_scores)
+        self.cache.rollback(committed)
+        self.cache.begin("verify", verify_end=committed + self.gamma + 1)
+        return drafts, scores
+
+    def _draft_steps(self, pending: torch.Tensor, keep_scores: bool):
+        """The gamma forwards and token choices of a draft whose processors never read the history."""
+        ids, drafts, scores = pending[:, None], [], []
+        for _ in range(self.gamma):
+            logits = self.call_model(ids, logits_to_keep=1)[:, -1]
+            step_scores = self.pipeline.history_free(logits, keep_dtype=not keep_scores)
+            token = choose(step_scores, self.do_sample)
+            drafts.append(token)
+            scores.append(step_scores)
+            ids = token[:, None]
+        return torch.stack(drafts, dim=1), torch.stack(scores, dim=1) if keep_scores else None
+
+    def _draft_with_history(self, pending, tokens, history, start, keep_scores: bool):
         rows = self.cache.row_index
         if start is None:
             start = torch.tensor(history, device=tokens.device)
@@ -89,9 +123,7 @@ class VegasCandidateGenerator(CandidateGenerator):
             drafts.append(token)
             scores.append(step_scores)
             ids = token[:, None]
-        self.cache.rollback(committed)
-        self.cache.begin("verify", verify_end=committed + self.gamma + 1)
-        return torch.stack(drafts, dim=1), torch.stack(scores, dim=1)
+        return torch.stack(drafts, dim=1), torch.stack(scores, dim=1) if keep_scores else None
 
     # -- transformers CandidateGenerator interface (HF's assisted loop, batch 1) ---------------------------------
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):

@@ -160,7 +160,8 @@ class _Loop:
         self.gamma = cache.vegas_config.gamma
         self.do_sample = bool(gen_config.do_sample)
         self.drafter = VegasCandidateGenerator(model, cache, processors, self.do_sample, graphs=step_graphs)
-        self.stopper = ChunkStopper(stopping_criteria, compat.eos_token_tensor(gen_config))
+        self.pipeline = self.drafter.pipeline
+        self.stopper = ChunkStopper(stopping_criteria, compat.eos_token_tensor(gen_config), input_ids.device)
         self.pad_id = compat.pad_token_tensor(gen_config)
         self.input_ids, self.left_pad, self.max_new = input_ids, left_pad, max_new
         batch, width = input_ids.shape
@@ -196,7 +197,9 @@ class _Loop:
         first = choose(scores, self.do_sample)
         self.pending = first
         everyone = torch.ones(first.shape[0], dtype=torch.bool, device=first.device)
-        self._commit(first[:, None], torch.ones_like(first), everyone)
+        budget = self.max_new - self.generated_t
+        keep, stopped = ChunkStopper.vectorised(first[:, None], torch.ones_like(first), budget, self.stopper.eos)
+        self._commit(first[:, None], keep, stopped, everyone)
         if self.recorder.active:
             self.recorder.add(scores[:, None], logits[:, -1:], self.kept)
         accepted = []
@@ -229,13 +232,24 @@ class _Loop:
         cache, gamma = self.cache, self.gamma
         committed = cache.lengths.clone()
         if gamma == 0:  # dense decoding: one token, picked exactly as vanilla picks it
+            drafts = draft_scores = None
             logits = self.drafter.forward(self.pending[:, None], logits_to_keep=1, mode="decode")
-            scores = self.drafter.pipeline(self.tokens, self.history, logits[:, -1])
-            nxt = choose(scores, self.do_sample)
-            n, chunk, scores, logits = torch.zeros_like(nxt), nxt[:, None], scores[:, None], logits[:, -1:]
         else:
-            n, chunk, scores, logits = self._speculate()
-        keep = self._commit(chunk, n + 1, active)  # 0 for inactive rows
+            drafts, draft_scores = self.drafter.draft(self.pending, self.tokens, self.history, start=self.history_t,
+                                                      keep_scores=self.do_sample)
+            verify_ids = torch.cat([self.pending[:, None], drafts], dim=1)
+            logits = self.drafter.forward(verify_ids, logits_to_keep=gamma + 1)  # `draft` prepared the verification
+        budget = self.max_new - self.generated_t
+        graphs, key = self.drafter.graphs, self.pipeline.capture_key
+        if graphs is not None and key is not None and not self.stopper.others:
+            eos = self.stopper.eos
+            key = ("accept", gamma, self.do_sample, self.recorder.want_scores, key, None if eos is None else eos.shape)
+            n, chunk, scores, keep, stopped = graphs.run(key, self._accept, logits, drafts, draft_scores, budget, eos)
+        else:
+            n, chunk, scores, keep, stopped = self._accept(logits, drafts, draft_scores, budget, self.stopper.eos)
+        if self.cache.row_scores:  # `last_token` policy selects from the row that produced the kept token
+            select_from_rows(self.cache, n)
+        keep = self._commit(chunk, keep, stopped, active)  # 0 for inactive rows
         if self.recorder.active:
             self.recorder.add(scores, logits, self.kept)
         # The pending token and the kept tokens before the last have exact KV; the last kept token is the next
@@ -246,33 +260,42 @@ class _Loop:
         self.pending = torch.where(keep > 0, last, self.pending)
         return n
 
-    def _speculate(self):
-        """Draft gamma tokens, verify them, accept. Returns `(n accepted, chunk (B, gamma + 1), target scores, target
-        logits)`: the chunk holds the accepted drafts then the target's next token at position n (later positions
-        are unused); the scores and logits `(B, gamma + 1, V)` are the verification's at each chunk position."""
-        drafts, draft_scores = self.drafter.draft(self.pending, self.tokens, self.history, start=self.history_t)
-        verify_ids = torch.cat([self.pending[:, None], drafts], dim=1)
-        logits = self.drafter.forward(verify_ids, logits_to_keep=self.gamma + 1)  # `draft` prepared the verification
-        target_scores = self.drafter.pipeline.positions(self.tokens, self.history, logits)
-        if self.do_sample:
-            n, nxt = accept_sampling(drafts, draft_scores, target_scores)
+    def _accept(self, logits, drafts, draft_scores, budget, eos):
+        """Process the verification's logits `(B, gamma + 1, V)`, accept drafts and cut the chunk at the length budget
+        and EOS. A function of its inputs (and, for history-reading processors, of the host history), so the graphs
+        can capture it. Returns `(n accepted, chunk (B, gamma + 1), target scores, keep, stopped)`: the chunk holds the
+        accepted drafts then the target's next token at position n (later positions are unused); the scores are
+        the verification's at each chunk position; `keep` and `stopped` are `ChunkStopper.vectorised`'s."""
+        # Greedy choice without outputs that show the scores only takes an argmax: vanilla's fp32 copy would not
+        # change it (the copy is exact), so it is skipped.
+        argmax_only = not self.do_sample and not self.recorder.want_scores
+        if self.pipeline.batched:
+            scores = self.pipeline.history_free(logits, keep_dtype=argmax_only)
         else:
-            n, nxt = accept_greedy(drafts, target_scores)
-        if self.cache.row_scores:  # `last_token` policy selects from the row that produced the kept token
-            select_from_rows(self.cache, n)
-        chunk = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
-        chunk.scatter_(1, n[:, None], nxt[:, None])
-        return n, chunk, target_scores, logits
+            scores = self.pipeline.positions(self.tokens, self.history, logits)
+        if drafts is None:  # dense decoding
+            chunk = choose(scores[:, 0], self.do_sample)[:, None]
+            n = torch.zeros_like(chunk[:, 0])
+        else:
+            if self.do_sample:
+                n, nxt = accept_sampling(drafts, draft_scores, scores)
+            else:
+                n, nxt = accept_greedy(drafts, scores)
+            chunk = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
+            chunk.scatter_(1, n[:, None], nxt[:, None])
+        keep, stopped = ChunkStopper.vectorised(chunk, n + 1, budget, eos)
+        return n, chunk, scores, keep, stopped
 
-    def _commit(self, chunk: torch.Tensor, chunk_len: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        """Append each active row's chunk, cut where vanilla generate would have stopped. Returns the kept counts."""
+    def _commit(self, chunk: torch.Tensor, keep: torch.Tensor, stopped: torch.Tensor, active: torch.Tensor):
+        """Append each active row's chunk, cut where vanilla generate would have stopped: `keep`/`stopped` as the
+        length budget and EOS cut it, then the other stopping criteria. Returns the kept counts."""
         cols = self.history_t[:, None] + torch.arange(chunk.shape[1], device=chunk.device)[None, :]
         rows = self.cache.row_index[:, None]
         old = self.tokens[rows, cols]
         self.tokens[rows, cols] = torch.where(active[:, None], chunk, old)
-        budget = self.max_new - self.generated_t
-        keep, stopped = self.stopper(self.tokens, self.history, chunk, chunk_len, budget)
         keep, stopped = torch.where(active, keep, 0), stopped & active
+        if self.stopper.others:  # they read the tokens just written
+            keep, stopped = self.stopper.check_others(self.tokens, self.history, keep, stopped)
         self.history_t += keep
         self.generated_t += keep
         self.finished_t |= stopped

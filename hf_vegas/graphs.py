@@ -1,17 +1,27 @@
-"""CUDA graphs for the draft, verify and dense-decode forwards, and the pool that keeps them between `generate` calls.
+"""CUDA graphs for the steps of a Vegas iteration, and the pool that keeps them between `generate` calls.
 
-A Vegas iteration is gamma one-token forwards and one (gamma + 1)-token forward. Run eagerly, each costs the
-Python and launch time of a whole HF forward (hundreds of kernel launches), which for long batches is several times
-the time its memory traffic needs. Captured once and replayed, a forward costs one launch.
+A Vegas iteration is gamma one-token forwards, each followed by processing its logits and choosing a token, one
+(gamma + 1)-token forward, and the acceptance. Run eagerly, each forward costs the Python and launch time of a whole
+HF forward (hundreds of kernel launches), and each token choice or acceptance tens of launches more, which for long
+batches is several times what their memory traffic needs. Captured once and replayed, a step costs one launch:
+
+    draft    gamma forwards and token choices, sampling included (`VegasCandidateGenerator.draft`)
+    verify   the verification forward (dense decoding: the one-token "decode" forward)
+    accept   logits processing, acceptance and the length/EOS cut (`decoding._Loop._accept`)
+
+Processors that read the history (a repetition penalty) and stopping criteria other than length and EOS need the
+host: with them a draft is gamma one-forward graphs and the acceptance runs eagerly.
 
 What makes capture possible: every forward reads its per-row state from `VegasCache` tensors that are only ever
 written in place, takes its positions from `cache.lengths` on the device, and never synchronises with the host (the
-kernels get host-side sizes from the cache's capacity, never from the data). Each step kind, keyed by
-`(cache mode, tokens, logits kept)`, goes through three stages:
+kernels get host-side sizes from the cache's capacity, never from the data); sampling draws from the default CUDA
+generator, whose Philox offsets a replay advances as the eager ops would. Each step kind, keyed by what it bakes in
+(cache mode, tokens, logits kept, processor settings, ...), goes through three stages:
 
     1st call   eager: its real result, and the warm-up (Triton compiles, lazily built buffers get allocated)
-    2nd call   capture (records the forward, executes nothing), then replay
-    later      copy the input ids into the graph's static buffer, replay
+    2nd call   (with `compile`) compiled forwards, which compiles them; else straight to the capture
+    next call  capture (records the step, executes nothing), then replay
+    later      copy the inputs into the graph's static buffers (not those that are another graph's outputs), replay
 
 Graphs capture the addresses of the cache buffers and the model's weights, so the cache they were captured over is
 kept, per model, for the next `generate` call of the same bucket (batch, capacity rounded up, config, weight
@@ -51,8 +61,8 @@ def _log_once(level: int, message: str) -> None:
 @dataclasses.dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor  # static input, copied into before each replay
-    logits: torch.Tensor  # static output, overwritten by each replay
+    inputs: tuple  # static inputs, copied into before each replay (unless the caller passes them themselves)
+    outputs: object  # static outputs (a tensor or a tuple of tensors and Nones), overwritten by each replay
 
 
 # Stages of a step kind before its capture: ran eagerly once; (with `compile`) ran compiled once, which compiles.
@@ -60,63 +70,84 @@ _WARM, _COMPILED = object(), object()
 
 
 class StepGraphs:
-    """The captured forwards of one `VegasCache`. Graphs share one memory pool: their steps never overlap.
+    """The captured steps of one `VegasCache`. Graphs share one memory pool: their steps never overlap.
 
-    With `compile`, each forward is `torch.compile`d before its capture (the cache update and the attention stay
-    eager, see `torch.compiler.disable` on them): inductor fuses the norms, rotary embedding, activations and residual
-    adds of every layer, which otherwise cost one small kernel each (about 1 200 per SmolLM2 forward).
+    A step is a function of tensors that returns a tensor or a tuple of them: a single forward (verify, dense
+    decode), the gamma forwards of a draft with their token choices, or the acceptance of a verification.
+    With `compile`, each model forward inside a step is `torch.compile`d before the capture (`compiling` tells the
+    step when; the cache update and the attention stay eager, see `torch.compiler.disable` on them): inductor fuses
+    the norms, rotary embedding, activations and residual adds of every layer, which otherwise cost one small kernel
+    each (about 1 200 per SmolLM2 forward).
+
+    What a graph reads must outlive it: the pooled cache, the model's weights and the step's static inputs. Anything
+    else a step bakes in (a processor's temperature, a generation's length budget) must be in its key or an input.
     """
 
     def __init__(self, compile: bool = False):
         self.compile = compile
+        self.compiling = False  # True while a step runs for its compilation or its capture
         self.pool = None  # made at the first capture
         self._steps: dict[tuple, object] = {}
+        self._outputs: set[int] = set()  # ids of the captured steps' output tensors (static, alive with their step)
         self.disabled_reason: str | None = None
         self.captures = 0
         self.replays = 0
 
-    def run(self, key: tuple, ids: torch.Tensor, forward) -> torch.Tensor:
-        """`forward(ids)` (eager, returns logits) through the step kind `key`'s graph.
+    def run(self, key: tuple, step, *inputs):
+        """`step(*inputs)` through the graph of the step kind `key`.
 
-        A replay returns the graph's static logits: read them before the next `run`.
+        A replay returns the graph's static outputs: read them before the step kind runs again. An input that is
+        another step's static output is read in place; any other is copied into the graph's own buffer.
         """
         if self.disabled_reason is not None:
-            return forward(ids)
-        step = self._steps.get(key)
-        if step is None:
+            return step(*inputs)
+        state = self._steps.get(key)
+        if state is None:
             self._steps[key] = _WARM
-            return forward(ids)
-        if step is _WARM and self.compile:  # compiling runs and benchmarks kernels: never inside a capture
+            return step(*inputs)
+        if state is _WARM and self.compile:  # compiling runs and benchmarks kernels: never inside a capture
             self._steps[key] = _COMPILED
-            with _dynamo_settings():
-                return self._compiled(forward)(ids)
-        if step is _WARM or step is _COMPILED:
-            step = self._capture(key, ids, self._compiled(forward) if self.compile else forward)
-            if step is None:
-                return forward(ids)
-        step.ids.copy_(ids)
-        step.graph.replay()
+            with self._compiling():
+                return step(*inputs)
+        if state is _WARM or state is _COMPILED:
+            state = self._capture(key, step, inputs)
+            if state is None:
+                return step(*inputs)
+        for static, given in zip(state.inputs, inputs):
+            if static is not given and given is not None:
+                static.copy_(given)
+        state.graph.replay()
         self.replays += 1
-        return step.logits
+        return state.outputs
 
-    @staticmethod
-    def _compiled(forward):
-        # dynamo caches by code object: every step closure of a shape reuses one compilation
-        return torch.compile(forward, dynamic=False)
+    def compiled(self, forward):
+        """`forward` compiled while a step compiles or is captured with `compile` on, else `forward` itself."""
+        # dynamo caches by code object: every call of one function reuses its compilations
+        return torch.compile(forward, dynamic=False) if self.compile and self.compiling else forward
 
-    def _capture(self, key: tuple, ids: torch.Tensor, forward) -> _Captured | None:
-        static_ids = ids.clone()
+    @contextlib.contextmanager
+    def _compiling(self):
+        self.compiling = True
+        try:
+            with _dynamo_settings():
+                yield
+        finally:
+            self.compiling = False
+
+    def _capture(self, key: tuple, step, inputs: tuple) -> _Captured | None:
+        static = tuple(t if t is None or id(t) in self._outputs else t.clone() for t in inputs)
         try:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with _dynamo_settings(), torch.cuda.graph(graph, pool=self.pool):
-                logits = forward(static_ids)
+            with self._compiling(), torch.cuda.graph(graph, pool=self.pool):
+                outputs = step(*static)
         except Exception as error:  # noqa: BLE001  (any op of any model may refuse capture; eager always works)
-            self.disabled_reason = f"capturing the {key[0]} forward failed ({type(error).__name__}: {error})"
+            self.disabled_reason = f"capturing the {key[0]} step failed ({type(error).__name__}: {error})"
             _log_once(logging.WARNING, f"hf_vegas runs its steps eagerly: {self.disabled_reason}")
             return None
-        captured = _Captured(graph, static_ids, logits)
+        captured = _Captured(graph, static, outputs)
+        self._outputs.update(id(t) for t in (outputs if isinstance(outputs, tuple) else (outputs,)) if t is not None)
         self._steps[key] = captured
         self.captures += 1
         return captured

@@ -51,10 +51,26 @@ def _kernel_replaces(processor) -> bool:
             and backend.kernels().top_p.MIN_TOP_P <= processor.top_p < 1.0)
 
 
+# History-free processors that run inside a CUDA graph: no host synchronisation, and settings that are plain numbers
+# (a graph bakes them in, so they are part of its key). Eta keeps a tensor and builds a validating `Categorical`.
+CAPTURABLE = tuple(p for p in HISTORY_FREE if p is not EtaLogitsWarper) + (KernelTopP,)
+
+
+def _settings(processor) -> tuple | None:
+    """A processor's settings as a hashable tuple, or None when one of them is not a plain number."""
+    items = sorted(vars(processor).items())
+    if not all(value is None or isinstance(value, (bool, int, float)) for _, value in items):
+        return None
+    return (type(processor).__name__, *items)
+
+
 class LogitsPipeline:
     """Applies a `LogitsProcessorList` to `(B, V)` logits given each row's history length in `tokens`.
 
     With `kernels=True` (the Triton backend), top-p filtering runs as `KernelTopP`.
+    `batched`: no processor reads the history, so one call covers every row and position.
+    `capture_key`: when the processors can run inside a CUDA graph (`hf_vegas.graphs`), their settings, which such a
+    graph bakes in (None when they cannot).
     """
 
     def __init__(self, processors: LogitsProcessorList | None, kernels: bool = False):
@@ -63,6 +79,22 @@ class LogitsPipeline:
             processors = LogitsProcessorList(KernelTopP(p) if _kernel_replaces(p) else p for p in processors)
         self.processors = processors
         self.batched = all(isinstance(p, (*HISTORY_FREE, KernelTopP)) for p in self.processors)
+        settings = [_settings(p) if isinstance(p, CAPTURABLE) else None for p in self.processors]
+        self.capture_key = None if None in settings else tuple(settings)
+
+    def history_free(self, logits: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
+        """Process `(..., V)` logits of any rows and positions (only for a `batched` pipeline).
+
+        `keep_dtype` (no processors only): return the logits themselves, not vanilla's fp32 copy, for a caller that
+        only takes their argmax (the same token: the copy is exact).
+        """
+        if keep_dtype and len(self.processors) == 0:
+            return logits
+        shape = logits.shape
+        scores = logits.reshape(-1, shape[-1]).to(dtype=torch.float32, copy=True)
+        if len(self.processors):
+            scores = self.processors(None, scores)  # history-free processors never read `input_ids`
+        return scores.reshape(shape)
 
     def __call__(self, tokens: torch.Tensor, history: list[int], logits: torch.Tensor) -> torch.Tensor:
         # A copy in fp32, as vanilla generate does: some processors write into their input.

@@ -13,41 +13,44 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 
 class ChunkStopper:
-    def __init__(self, stopping_criteria: StoppingCriteriaList | None, eos_token_ids: torch.Tensor | None):
+    def __init__(self, stopping_criteria: StoppingCriteriaList | None, eos_token_ids: torch.Tensor | None,
+                 device: torch.device | None = None):
         criteria = list(stopping_criteria or [])
         self.has_eos = eos_token_ids is not None or any(isinstance(c, EosTokenCriteria) for c in criteria)
         eos = [eos_token_ids] if eos_token_ids is not None else []
         eos += [c.eos_token_id for c in criteria if isinstance(c, EosTokenCriteria)]
-        self.eos = torch.cat([e.reshape(-1) for e in eos]).unique() if eos else None
+        # On the tokens' device: `vectorised` may run inside a CUDA graph, which cannot copy from the host.
+        self.eos = torch.cat([e.reshape(-1).to(device or e.device) for e in eos]).unique() if eos else None
         # The length budget is enforced by the caller through `budget`; EOS is vectorised below.
         self.others = [c for c in criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
 
-    def __call__(self, tokens, history: list[int], chunk, chunk_len, budget):
-        """Decide how much of each row's chunk to keep.
+    @staticmethod
+    def vectorised(chunk, chunk_len, budget, eos: torch.Tensor | None):
+        """The cut by the length budget and EOS, on the device only (a CUDA graph may hold it).
 
         Args:
-            tokens `(B, W)`: every row's history, with the chunk already written at `history[b]`.
             chunk `(B, C)`, chunk_len `(B,)`: the new tokens of each row (only the first `chunk_len[b]` are real).
             budget `(B,)`: tokens each row may still generate.
+            eos: the EOS ids (`ChunkStopper.eos`), or None.
 
-        Returns `(keep, stopped)`: tokens to keep per row, and whether the row is finished after them.
+        Returns `(keep, stopped)`: tokens to keep per row, and whether the row is finished after them. The other
+        criteria (`others`) may cut further: `check_others`.
         """
         positions = torch.arange(chunk.shape[1], device=chunk.device)[None, :]
         keep = torch.minimum(chunk_len, budget)
         stopped = keep >= budget
-        if self.eos is not None:
-            is_eos = torch.isin(chunk, self.eos.to(chunk.device)) & (positions < keep[:, None])
+        if eos is not None:
+            is_eos = torch.isin(chunk, eos) & (positions < keep[:, None])
             hit = is_eos.any(dim=-1)
             first = torch.where(is_eos, positions, chunk.shape[1]).min(dim=-1).values
             keep = torch.where(hit, first + 1, keep)
             stopped |= hit
-        if self.others:
-            keep, stopped = self._check_others(tokens, history, keep, stopped)
         return keep, stopped
 
-    def _check_others(self, tokens, history, keep, stopped):
-        """Ask the other criteria once per distinct history length, on the whole batch (criteria may keep per-row
-        state), and cut each row at its first position where any says stop."""
+    def check_others(self, tokens, history, keep, stopped):
+        """Cut `keep` further by the other criteria. `tokens` `(B, W)` holds every row's history with its chunk
+        written at `history[b]`. They are asked once per distinct history length, on the whole batch (criteria may
+        keep per-row state), and each row is cut at its first position where any says stop."""
         keep_host, stop_host = keep.tolist(), stopped.tolist()
         first_hit = [None] * len(history)
         lengths = sorted({h + j + 1 for h, k in zip(history, keep_host) for j in range(k)})

@@ -57,7 +57,7 @@ def test_graph_steps_give_the_eager_tokens(arch, backend):
         assert "capturing" in steps.disabled_reason
         return
     assert steps.disabled_reason is None
-    assert steps.captures == 2 and steps.replays > 0, "one draft and one verify graph, replayed"
+    assert steps.captures == 3 and steps.replays > 0, "one draft, one verify and one acceptance graph, replayed"
 
 
 @needs_gpu
@@ -70,7 +70,7 @@ def test_graph_steps_streaming_and_dense(policy, gamma):
     common = dict(attention_mask=mask, max_new_tokens=16, pad_token_id=0, do_sample=False)
     out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=gamma, vegas_policy=policy, **extra)
     torch.testing.assert_close(out, vanilla, rtol=0, atol=0)
-    assert _pooled_graphs(model).captures == (2 if gamma else 1)
+    assert _pooled_graphs(model).captures == (3 if gamma else 2), "draft, verify / decode, and acceptance graphs"
 
 
 @needs_gpu
@@ -84,7 +84,7 @@ def test_compiled_graph_steps_give_the_vanilla_tokens(gamma):
     out = model.generate(ids, **common, vegas_gamma=gamma, vegas_compile=True, return_dict_in_generate=True, **extra)
     torch.testing.assert_close(out.sequences, vanilla, rtol=0, atol=0)
     steps = _pooled_graphs(model)
-    assert steps.disabled_reason is None and steps.captures == (2 if gamma else 1)
+    assert steps.disabled_reason is None and steps.captures == (3 if gamma else 2)
 
 
 @needs_gpu
@@ -117,7 +117,8 @@ def test_graph_steps_return_vanilla_scores_logits_and_continue_a_prompt_cache(ga
 
 @needs_gpu
 def test_graph_sampling_draws_the_eager_tokens():
-    """Sampling runs outside the graphs on bit-identical logits, so one seed gives the eager tokens."""
+    """Draft sampling and speculative acceptance run inside the graphs, on bit-identical logits, drawing from the
+    default generator's Philox stream at the offsets the eager ops use: one seed gives the eager tokens."""
     model = tiny_model("qwen3", seed=3).cuda()
     ids, mask = (t.cuda() for t in ragged_batch([60, 41], seed=3))
     runs = []
@@ -126,6 +127,29 @@ def test_graph_sampling_draws_the_eager_tokens():
         runs.append(_generate(model, ids, mask, vegas_gamma=3, do_sample=True, temperature=0.6, top_p=0.95,
                               vegas_cuda_graphs=use_graphs).sequences)
     torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
+
+
+@needs_gpu
+def test_graphs_replayed_by_a_later_call_follow_its_settings():
+    """A pooled graph bakes in what it captured: a later call of the same bucket with other processor settings, another
+    length budget or other EOS ids must get graphs of its own or feed them as inputs, never replay stale ones."""
+    model = tiny_model("llama").cuda()
+    ids, mask = (t.cuda() for t in ragged_batch([60, 41, 52]))
+    settings = [dict(do_sample=True, temperature=0.6, top_p=0.95), dict(do_sample=True, temperature=1.3, top_k=5),
+                dict(do_sample=True, temperature=0.6, top_p=0.95, min_p=0.05)]
+    for sampling in settings:
+        runs = []
+        for use_graphs in (False, True):
+            torch.manual_seed(11)
+            runs.append(_generate(model, ids, mask, vegas_gamma=3, vegas_cuda_graphs=use_graphs, **sampling).sequences)
+        torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0, msg=f"graphs differ from eager at {sampling}")
+    greedy = dict(attention_mask=mask, pad_token_id=0, do_sample=False)
+    for max_new, eos in ((16, None), (9, None), (16, 7), (12, [7, 11])):
+        vanilla = model.generate(ids, **greedy, max_new_tokens=max_new, eos_token_id=eos)
+        out = model.generate(ids, **greedy, max_new_tokens=max_new, eos_token_id=eos, custom_generate="vegas",
+                             vegas_gamma=3, **SPARSE)
+        torch.testing.assert_close(out, vanilla, rtol=0, atol=0, msg=f"max_new_tokens={max_new}, eos={eos}")
+    assert _pooled_graphs(model).replays > 0
 
 
 @needs_gpu
@@ -139,7 +163,7 @@ def test_graphs_are_reused_across_calls_and_recaptured_when_weights_move():
     second = _generate(model, second_ids, second_mask, vegas_gamma=4, do_sample=False)
     assert graphs.pooled_cache(model) is cache and _pooled_graphs(model) is steps
     assert first.past_key_values is None and second.past_key_values is None, "outputs never hold the pooled cache"
-    assert steps.captures == 2, "the second call replays the first call's graphs"
+    assert steps.captures == 3, "the second call replays the first call's graphs"
     vanilla = model.generate(second_ids, attention_mask=second_mask, max_new_tokens=16, do_sample=False,
                              pad_token_id=0)
     torch.testing.assert_close(second.sequences, vanilla, rtol=0, atol=0)
