@@ -74,25 +74,29 @@ def cpu_name() -> str:
 @contextlib.contextmanager
 def forward_times():
     """Wall time of hf_vegas' model forwards by kind (prefill / draft / verify / decode): where an iteration goes.
-    On the CPU every op is synchronous, so a forward's wall time is its cost."""
-    from hf_vegas.candidate import VegasCandidateGenerator
+    On the CPU every op is synchronous, so a forward's wall time is its cost. A draft is gamma forwards, each with
+    its token choice: its time counts as gamma forwards."""
+    from hf_vegas.runner import StepRunner
 
     seconds, calls = collections.defaultdict(float), collections.Counter()
-    original = VegasCandidateGenerator.forward
+    originals = {kind: getattr(StepRunner, kind) for kind in ("prefill", "draft", "verify", "decode")}
 
-    def timed(self, input_ids, logits_to_keep, mode=None, left_pad=None):
-        start = time.perf_counter()
-        out = original(self, input_ids, logits_to_keep, mode, left_pad)
-        kind = self.cache.mode  # a verification is fired with mode=None after `draft` declared it
-        seconds[kind] += time.perf_counter() - start
-        calls[kind] += 1
-        return out
+    def timed(kind, original):
+        def step(self, *args, **kwargs):
+            start = time.perf_counter()
+            out = original(self, *args, **kwargs)
+            seconds[kind] += time.perf_counter() - start
+            calls[kind] += self.gamma if kind == "draft" else 1
+            return out
+        return step
 
-    VegasCandidateGenerator.forward = timed
+    for kind, original in originals.items():
+        setattr(StepRunner, kind, timed(kind, original))
     try:
         yield seconds, calls
     finally:
-        VegasCandidateGenerator.forward = original
+        for kind, original in originals.items():
+            setattr(StepRunner, kind, original)
 
 
 def method_config(method: str) -> hf_vegas.VegasConfig | None:

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import hf_vegas
 from hf_vegas import decoding
-from hf_vegas.candidate import VegasCandidateGenerator
+from hf_vegas.runner import StepRunner
 
 GiB = 2**30
 
@@ -91,38 +91,25 @@ def main() -> None:
             hf_vegas.release_graphs(model)
 
     # Profile one step of each kind in a third Vegas generation, and the peak memory of each step kind.
-    original_forward, original_iterate = VegasCandidateGenerator.forward, decoding._Loop._iterate
-    original_draft = VegasCandidateGenerator.draft
+    original_verify, original_draft, original_iterate = StepRunner.verify, StepRunner.draft, decoding._Loop._iterate
+    original_prefill = StepRunner.prefill
     profiles, step_peaks = {}, defaultdict(float)
 
-    def draft(drafter, *draft_args, **kwargs):  # the gamma draft forwards and token choices (one graph)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        if "draft" not in profiles and not profiling_iteration:
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                out = original_draft(drafter, *draft_args, **kwargs)
-                torch.cuda.synchronize()
-            profiles["draft"] = prof
-        else:
-            out = original_draft(drafter, *draft_args, **kwargs)
-        torch.cuda.synchronize()
-        step_peaks["draft"] = max(step_peaks["draft"], torch.cuda.max_memory_allocated() / GiB)
-        return out
-
-    def forward(drafter, input_ids, logits_to_keep, mode=None, left_pad=None):
-        kind = mode or drafter.cache.mode
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        if kind == "verify" and kind not in profiles and not profiling_iteration:
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                out = original_forward(drafter, input_ids, logits_to_keep, mode, left_pad)
-                torch.cuda.synchronize()
-            profiles[kind] = prof
-        else:
-            out = original_forward(drafter, input_ids, logits_to_keep, mode, left_pad)
-        torch.cuda.synchronize()
-        step_peaks[kind] = max(step_peaks[kind], torch.cuda.max_memory_allocated() / GiB)
-        return out
+    def profiled(kind, original):  # the first call of a step kind, outside the profiled iteration
+        def step(runner, *step_args, **kwargs):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            if kind != "prefill" and kind not in profiles and not profiling_iteration:  # prefill: peak memory only
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    out = original(runner, *step_args, **kwargs)
+                    torch.cuda.synchronize()
+                profiles[kind] = prof
+            else:
+                out = original(runner, *step_args, **kwargs)
+            torch.cuda.synchronize()
+            step_peaks[kind] = max(step_peaks[kind], torch.cuda.max_memory_allocated() / GiB)
+            return out
+        return step
 
     profiling_iteration = False
 
@@ -139,13 +126,14 @@ def main() -> None:
         profiles["iteration"] = prof
         return n
 
-    VegasCandidateGenerator.forward, decoding._Loop._iterate = forward, iterate
-    VegasCandidateGenerator.draft = draft
+    StepRunner.draft, StepRunner.verify = profiled("draft", original_draft), profiled("verify", original_verify)
+    StepRunner.prefill = profiled("prefill", original_prefill)
+    decoding._Loop._iterate = iterate
     try:
         model.generate(ids, **common, vegas_gamma=6)
     finally:
-        VegasCandidateGenerator.forward, decoding._Loop._iterate = original_forward, original_iterate
-        VegasCandidateGenerator.draft = original_draft
+        StepRunner.draft, StepRunner.verify, StepRunner.prefill = original_draft, original_verify, original_prefill
+        decoding._Loop._iterate = original_iterate
 
     print(f"batch {args.batch} x {args.prompt_tokens}, {'sampling' if args.sample else 'greedy'}, "
           f"{'eager' if args.eager else 'graphs'}{' + compile' if args.compile else ''}"

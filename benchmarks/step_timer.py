@@ -20,7 +20,7 @@ import torch
 from transformers import StoppingCriteria
 
 from hf_vegas import decoding
-from hf_vegas.candidate import VegasCandidateGenerator
+from hf_vegas.runner import StepRunner
 
 
 class FirstTokenClock(StoppingCriteria):
@@ -47,8 +47,7 @@ class IterationTimes:
     def record(self):
         events: list[dict] = []
         original_iterate = decoding._Loop._iterate
-        original_draft = VegasCandidateGenerator.draft
-        original_forward = VegasCandidateGenerator.forward
+        original_draft, original_verify, original_decode = StepRunner.draft, StepRunner.verify, StepRunner.decode
 
         def mark(name: str) -> None:
             if events:
@@ -64,26 +63,26 @@ class IterationTimes:
             mark("end")
             return n
 
-        def draft(drafter, *args, **kwargs):
-            out = original_draft(drafter, *args, **kwargs)
+        def draft(runner, *args, **kwargs):
+            out = original_draft(runner, *args, **kwargs)
             mark("drafted")
             return out
 
-        def forward(drafter, input_ids, logits_to_keep, mode=None, left_pad=None):
-            out = original_forward(drafter, input_ids, logits_to_keep, mode, left_pad)
-            if drafter.cache.mode in ("verify", "decode") and mode != "prefill":
+        def verified(original):
+            def forward(runner, *args, **kwargs):
+                out = original(runner, *args, **kwargs)
                 mark("verified")
-            return out
+                return out
+            return forward
 
         decoding._Loop._iterate = iterate
-        VegasCandidateGenerator.draft = draft
-        VegasCandidateGenerator.forward = forward
+        StepRunner.draft, StepRunner.verify = draft, verified(original_verify)
+        StepRunner.decode = verified(original_decode)
         try:
             yield self
         finally:
             decoding._Loop._iterate = original_iterate
-            VegasCandidateGenerator.draft = original_draft
-            VegasCandidateGenerator.forward = original_forward
+            StepRunner.draft, StepRunner.verify, StepRunner.decode = original_draft, original_verify, original_decode
             torch.cuda.synchronize()
             self.iterations = [_split(e) for e in events]
 

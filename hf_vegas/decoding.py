@@ -23,11 +23,11 @@ import torch
 from . import graphs, prompt_cache, validation
 from ._compat import internals as compat
 from .attention import active_cache, select_from_rows, vegas_attention
-from .candidate import VegasCandidateGenerator
 from .config import VegasConfig, resolve_config
 from .fused_projections import in_draft_steps
 from .ops import backend
 from .output import StepRecorder, VegasGenerateOutput
+from .runner import StepRunner
 from .sampling import accept_greedy, accept_sampling, choose
 from .stopping import ChunkStopper
 
@@ -159,8 +159,8 @@ class _Loop:
         self.cache, self.streamer, self.recorder = cache, streamer, recorder
         self.gamma = cache.vegas_config.gamma
         self.do_sample = bool(gen_config.do_sample)
-        self.drafter = VegasCandidateGenerator(model, cache, processors, self.do_sample, graphs=step_graphs)
-        self.pipeline = self.drafter.pipeline
+        self.runner = StepRunner(model, cache, processors, self.do_sample, graphs=step_graphs)
+        self.pipeline = self.runner.pipeline
         self.stopper = ChunkStopper(stopping_criteria, compat.eos_token_tensor(gen_config), input_ids.device)
         self.pad_id = compat.pad_token_tensor(gen_config)
         self.input_ids, self.left_pad, self.max_new = input_ids, left_pad, max_new
@@ -192,8 +192,8 @@ class _Loop:
             cached = prefix.get_seq_length()
             prompt_cache.load(self.cache, prefix, self.left_pad)
         remaining_pad = (self.left_pad - cached).clamp_min(0)
-        logits = self.drafter.forward(prompt[:, cached:], logits_to_keep=1, mode="prefill", left_pad=remaining_pad)
-        scores = self.drafter.pipeline(self.tokens, self.history, logits[:, -1])
+        logits = self.runner.prefill(prompt[:, cached:], left_pad=remaining_pad)
+        scores = self.pipeline(self.tokens, self.history, logits[:, -1])
         first = choose(scores, self.do_sample)
         self.pending = first
         everyone = torch.ones(first.shape[0], dtype=torch.bool, device=first.device)
@@ -233,14 +233,13 @@ class _Loop:
         committed = cache.lengths.clone()
         if gamma == 0:  # dense decoding: one token, picked exactly as vanilla picks it
             drafts = draft_scores = None
-            logits = self.drafter.forward(self.pending[:, None], logits_to_keep=1, mode="decode")
+            logits = self.runner.decode(self.pending)
         else:
-            drafts, draft_scores = self.drafter.draft(self.pending, self.tokens, self.history, start=self.history_t,
-                                                      keep_scores=self.do_sample)
-            verify_ids = torch.cat([self.pending[:, None], drafts], dim=1)
-            logits = self.drafter.forward(verify_ids, logits_to_keep=gamma + 1)  # `draft` prepared the verification
+            drafts, draft_scores = self.runner.draft(self.pending, self.tokens, self.history, start=self.history_t,
+                                                     keep_scores=self.do_sample)
+            logits = self.runner.verify(self.pending, drafts)
         budget = self.max_new - self.generated_t
-        graphs, key = self.drafter.graphs, self.pipeline.capture_key
+        graphs, key = self.runner.graphs, self.pipeline.capture_key
         if graphs is not None and key is not None and not self.stopper.others:
             eos = self.stopper.eos
             key = ("accept", gamma, self.do_sample, self.recorder.want_scores, key, None if eos is None else eos.shape)

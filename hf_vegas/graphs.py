@@ -5,7 +5,7 @@ A Vegas iteration is gamma one-token forwards, each followed by processing its l
 HF forward (hundreds of kernel launches), and each token choice or acceptance tens of launches more, which for long
 batches is several times what their memory traffic needs. Captured once and replayed, a step costs one launch:
 
-    draft    gamma forwards and token choices, sampling included (`VegasCandidateGenerator.draft`)
+    draft    gamma forwards and token choices, sampling included (`StepRunner.draft`)
     verify   the verification forward (dense decoding: the one-token "decode" forward)
     accept   logits processing, acceptance and the length/EOS cut (`decoding._Loop._accept`)
 

@@ -11,7 +11,7 @@ import torch
 import hf_vegas
 from hf_vegas import graphs
 from hf_vegas.cache import VegasCache
-from hf_vegas.candidate import VegasCandidateGenerator
+from hf_vegas.runner import StepRunner
 from hf_vegas.config import VegasConfig
 from tiny_models import BUILDERS, ragged_batch, tiny_model
 
@@ -248,18 +248,18 @@ def test_cache_state_keeps_its_tensors_through_every_step():
     config = VegasConfig(gamma=3, sparsity=0.2, min_tokens=4)
     ids, mask = ragged_batch([30, 21])
     cache = VegasCache(model.config, 2, 64, config)
-    drafter = VegasCandidateGenerator(model, cache, None, do_sample=False)
+    runner = StepRunner(model, cache, None, do_sample=False)
     names = ("lengths", "left_pad", "verify_end", "sel_idx", "sel_count", "sel_end")
     from hf_vegas.attention import active_cache, vegas_attention
 
     with vegas_attention(model), active_cache(cache):
         left_pad = (mask == 0).sum(dim=1)
         before = {name: getattr(cache, name) for name in names}
-        drafter.forward(ids, logits_to_keep=1, mode="prefill", left_pad=left_pad)
+        runner.prefill(ids, left_pad=left_pad)
         tokens = torch.zeros(2, 64, dtype=torch.long)
         for _ in range(2):
-            drafts, _ = drafter.draft(ids[:, -1], tokens, [30, 30])
-            drafter.forward(torch.cat([ids[:, -1:], drafts], dim=1), logits_to_keep=4)
+            drafts, _ = runner.draft(ids[:, -1], tokens, [30, 30])
+            runner.verify(ids[:, -1], drafts)
             cache.rollback(cache.lengths - 2)
         cache.restart()
     for name in names:
