@@ -6,6 +6,9 @@ not the price of one decode step here.
 Every `nn.Linear` of SmolLM2-135M-Instruct (fp32, 538 MB of weights, lm_head included) applied to M rows, for each M
 of --rows; median of --repeats passes. A decode or draft step is M = batch, a verification M = batch x (gamma + 1).
 Where the products are bound by reading the weights, M rows cost what one does; on a small CPU they are not.
+Each pass is timed two ways: `F.linear(x, W)` as the model runs it ("linear"), and the same product with the
+weights as the left operand, `(W @ x^T)^T` ("weights_left": another BLAS shape for the same numbers, up to rounding),
+for the layers together and for the lm_head alone (49152 x 576, the largest).
 Records go to --out (JSONL), a table ends the run.
 """
 
@@ -42,24 +45,32 @@ def main() -> None:
     base = dict(device="cpu", cpu=cpu_name(), cores=os.cpu_count(), threads=args.threads, torch=torch.__version__,
                 commit=commit(), model="smollm2", dtype="float32", linears=len(linears), weight_bytes=weight_bytes)
     records = []
+    products = {"linear": lambda x, m: torch.nn.functional.linear(x, m.weight, m.bias),
+                "weights_left": lambda x, m: torch.mm(m.weight, x.t()).t()}  # SmolLM2's linears have no bias
+    head = model.lm_head
     with torch.no_grad():
         for rows in args.rows:
             inputs = {m.in_features: torch.randn(rows, m.in_features) for m in linears}
-            passes = []
-            for _ in range(args.repeats + 1):  # the first pass warms up
-                start = time.perf_counter()
-                for m in linears:
-                    torch.nn.functional.linear(inputs[m.in_features], m.weight, m.bias)
-                passes.append(time.perf_counter() - start)
-            ms = statistics.median(passes[1:]) * 1e3
-            records.append(dict(base, rows=rows, ms=ms, weight_GBps=weight_bytes / ms / 1e6))
+            record = dict(base, rows=rows)
+            for name, product in products.items():
+                for part, modules in (("all", linears), ("lm_head", [head])):
+                    passes = []
+                    for _ in range(args.repeats + 1):  # the first pass warms up
+                        start = time.perf_counter()
+                        for m in modules:
+                            product(inputs[m.in_features], m)
+                        passes.append(time.perf_counter() - start)
+                    record[f"{name}_{part}_ms"] = statistics.median(passes[1:]) * 1e3
+            record.update(ms=record["linear_all_ms"], weight_GBps=weight_bytes / record["linear_all_ms"] / 1e6)
+            records.append(record)
     append_records(args.out, records)
     one = records[0]["ms"] if records[0]["rows"] == 1 else None
-    print(f"\n{'rows':>5} {'ms':>7} {'weights GB/s':>12} {'x 1 row':>8}")
+    print(f"\n{'rows':>5} {'linear ms':>9} {'GB/s':>6} {'x 1 row':>8} {'weights-left ms':>15} "
+          f"{'lm_head linear':>14} {'lm_head w-left':>14}")
     for r in records:
         ratio = f"{r['ms'] / one:8.2f}" if one else "       -"
-        print(f"{r['rows']:>5} {r['ms']:>7.1f} {r['weight_GBps']:>12.1f} {ratio}")
-
+        print(f"{r['rows']:>5} {r['ms']:>9.1f} {r['weight_GBps']:>6.1f} {ratio} {r['weights_left_all_ms']:>15.1f} "
+              f"{r['linear_lm_head_ms']:>14.1f} {r['weights_left_lm_head_ms']:>14.1f}")
 
 if __name__ == "__main__":
     main()

@@ -24,6 +24,7 @@ from . import graphs, prompt_cache, validation
 from ._compat import internals as compat
 from .attention import active_cache, select_from_rows, vegas_attention
 from .config import VegasConfig, resolve_config
+from .cpu_linears import weights_left_linears
 from .fused_projections import in_draft_steps
 from .ops import backend
 from .output import StepRecorder, VegasGenerateOutput
@@ -125,7 +126,7 @@ def generate(
         logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
     )
     with (pooled as (cache, step_graphs), vegas_attention(model), active_cache(cache),
-          in_draft_steps(model, cache, fusing)):
+          in_draft_steps(model, cache, fusing), weights_left_linears(model, enabled=cache.eager_ops)):
         loop = _Loop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
                      generation_config, streamer, recorder)
         sequences, accepted = loop.run(inputs_embeds, prefix)
