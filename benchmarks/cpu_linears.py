@@ -6,15 +6,16 @@ not the price of one decode step here.
 Every `nn.Linear` of SmolLM2-135M-Instruct (fp32, 538 MB of weights, lm_head included) applied to M rows, for each M
 of --rows; median of --repeats passes. A decode or draft step is M = batch, a verification M = batch x (gamma + 1).
 Where the products are bound by reading the weights, M rows cost what one does; on a small CPU they are not.
-Each pass is timed two ways: `F.linear(x, W)` as the model runs it ("linear"), and the same product with the
-weights as the left operand, `(W @ x^T)^T` ("weights_left": another BLAS shape for the same numbers, up to rounding),
-for the layers together and for the lm_head alone (49152 x 576, the largest).
+Each pass is timed two ways: `F.linear(x, W)` as the model runs it ("linear"), and as hf_vegas' CPU path runs it
+(`hf_vegas.cpu_linears`: `(W @ x^T)^T`, one row as two; "weights_left": other BLAS shapes for the same numbers, up
+to rounding), for the layers together and for the lm_head alone (49152 x 576, the largest).
 Records go to --out (JSONL), a table ends the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from cpu_throughput import cpu_name
+from hf_vegas.cpu_linears import weights_left_linears
 from provenance import commit
 from results_io import append_records
 
@@ -45,8 +47,9 @@ def main() -> None:
     base = dict(device="cpu", cpu=cpu_name(), cores=os.cpu_count(), threads=args.threads, torch=torch.__version__,
                 commit=commit(), model="smollm2", dtype="float32", linears=len(linears), weight_bytes=weight_bytes)
     records = []
+    # "weights_left" is what `hf_vegas.cpu_linears` runs (SmolLM2's linears have no bias)
     products = {"linear": lambda x, m: torch.nn.functional.linear(x, m.weight, m.bias),
-                "weights_left": lambda x, m: torch.mm(m.weight, x.t()).t()}  # SmolLM2's linears have no bias
+                "weights_left": lambda x, m: m(x)}
     head = model.lm_head
     with torch.no_grad():
         for rows in args.rows:
@@ -54,12 +57,14 @@ def main() -> None:
             record = dict(base, rows=rows)
             for name, product in products.items():
                 for part, modules in (("all", linears), ("lm_head", [head])):
+                    context = weights_left_linears(model) if name == "weights_left" else contextlib.nullcontext()
                     passes = []
-                    for _ in range(args.repeats + 1):  # the first pass warms up
-                        start = time.perf_counter()
-                        for m in modules:
-                            product(inputs[m.in_features], m)
-                        passes.append(time.perf_counter() - start)
+                    with context:
+                        for _ in range(args.repeats + 1):  # the first pass warms up
+                            start = time.perf_counter()
+                            for m in modules:
+                                product(inputs[m.in_features], m)
+                            passes.append(time.perf_counter() - start)
                     record[f"{name}_{part}_ms"] = statistics.median(passes[1:]) * 1e3
             record.update(ms=record["linear_all_ms"], weight_GBps=weight_bytes / record["linear_all_ms"] / 1e6)
             records.append(record)
