@@ -54,8 +54,9 @@ def vegas_attention_forward(
         )
     if dropout:
         raise ValueError("hf_vegas runs inference only: attention dropout must be 0 (call model.eval()).")
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("Attention sinks (`s_aux`, gpt-oss) are not supported by hf_vegas yet.")
+    # gpt-oss' learned attention sinks: one logit per query head in every softmax's denominator. The plain-PyTorch
+    # ops take them; the Triton kernels do not yet, so such layers run the plain ops (slower, same tokens).
+    sinks = kwargs.get("s_aux")
     if scaling is None:
         scaling = module.head_dim**-0.5
     # `VegasCache.update` gave the model `(B, kv_heads, slots, D)` views of the `(B, slots, kv_heads, D)` storage; the
@@ -70,8 +71,9 @@ def vegas_attention_forward(
             f"Layer {module.layer_idx} attends with sliding_window={sliding_window}, but its config says "
             f"{'full' if full_layer else 'sliding'} attention: hf_vegas cannot tell which layers to sparsify."
         )
-    kernels = _kernels_for(cache, query, key)
+    kernels = _kernels_for(cache, query, key) if sinks is None else None
     ops = _torch_ops(cache)
+    extra_ops = {} if sinks is None else dict(sinks=sinks)  # the kernels' signatures have no sinks
     # The kernels skip finished rows (length 0: they read nothing and output zeros, which nothing uses). The plain
     # PyTorch ops keep every row's length: a row of length 0 would give them an all-masked softmax (NaN).
     kv_len = cache.attend_lengths if kernels else cache.lengths
@@ -85,7 +87,7 @@ def vegas_attention_forward(
         extra = dict(list_len=cache.draft_list_len) if kernels else {}
         out = draft_attention(
             query, key, value, cache.query_slots, kv_len,
-            cache.sel_idx[module.layer_idx], cache.sel_count, cache.sel_end, scaling, softcap, **extra,
+            cache.sel_idx[module.layer_idx], cache.sel_count, cache.sel_end, scaling, softcap, **extra, **extra_ops,
         )
     elif kernels is not None and selecting and cache.score_rows is not None:
         out, emitted, lse = kernels.verify_attention(
@@ -94,13 +96,14 @@ def vegas_attention_forward(
         )
         _select_from_emitted(cache, kernels, module.layer_idx, emitted, lse, query.shape[1])
     else:
-        if cache.prefill_left_pad is not None and softcap is None and sliding_window is None:
+        plain = softcap is None and sliding_window is None and sinks is None
+        if cache.prefill_left_pad is not None and plain:
             out = prefill.causal_per_row(query, key, value, cache.prefill_left_pad, scaling)
         else:
             dense = kernels.dense_attention if kernels else ops.dense_attention
-            out = dense(query, key, value, cache.query_slots, kv_len, scaling, sliding_window, softcap)
+            out = dense(query, key, value, cache.query_slots, kv_len, scaling, sliding_window, softcap, **extra_ops)
         if selecting:
-            _select(cache, module.layer_idx, query, key, scaling, softcap)
+            _select(cache, module.layer_idx, query, key, scaling, softcap, sinks)
     return out, None
 
 
@@ -154,7 +157,7 @@ def _flush_emitted(cache: VegasCache, layer_idx: int) -> None:
     cache.emitted_layers = []
 
 
-def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap) -> None:
+def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap, sinks=None) -> None:
     """Choose the next draft's slots for this layer from this prefill/verify forward (no host sync)."""
     config = cache.vegas_config
     if cache.score_rows is None:  # a policy that selects by position alone
@@ -163,7 +166,8 @@ def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap) -> 
         return
     rows, q_slot = cache.score_rows, cache.query_slots
     scores = _torch_ops(cache).row_scores(
-        query[:, :, rows], key, q_slot[:, rows], cache.lengths, cache.sel_end, scaling, config.score, softcap
+        query[:, :, rows], key, q_slot[:, rows], cache.lengths, cache.sel_end, scaling, config.score, softcap,
+        sinks=sinks,
     )
     if cache.policy.deferred(cache.mode):
         cache.row_scores[layer_idx] = scores

@@ -52,11 +52,6 @@ def check_model(model) -> None:
             f"Unsupported attention layer type(s) {sorted(unsupported)}; hf_vegas supports "
             f"{sorted(SUPPORTED_LAYER_TYPES)}."
         )
-    if any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()):
-        raise ValueError(
-            f"{type(model).__name__} attends with learned attention sinks (gpt-oss), which hf_vegas's attention ops "
-            "do not support yet."
-        )
     if getattr(text_config, "use_bidirectional_attention", False):
         raise ValueError("hf_vegas needs causal attention; this config sets use_bidirectional_attention=True.")
     if model.training:

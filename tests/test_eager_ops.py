@@ -141,3 +141,58 @@ def test_row_scores_reject_an_unknown_score():
     case = make_case([10], [0], 1, 16, 2, 2, device="cpu")
     with pytest.raises(ValueError, match="score must be 'logits' or 'weights'"):
         eager.row_scores(case.q, case.k, case.q_slot, case.kv_len, case.kv_len, 1.0, "probabilities")
+
+
+# -- attention sinks (gpt-oss) -------------------------------------------------------------------------------------
+
+
+def _sinks(q_heads: int) -> torch.Tensor:
+    return torch.linspace(-2.0, 3.0, q_heads)  # one logit per query head, some above the usual logits
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", SHAPES)
+def test_sinks_in_every_op_match_the_reference(head_dim, q_heads, kv_heads, tokens):
+    """The CPU path's dense, draft and scoring ops with sinks equal the reference's, reading only what they claim."""
+    case = make_case([37, 90, 61], [3, 9, 1], tokens, head_dim, q_heads, kv_heads, device="cpu")
+    sinks = _sinks(q_heads)
+    draft_args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
+    expected = reference.sparse_draft_attention(case.q, case.k, case.v, *draft_args, sinks=sinks)
+    k, v = (_layout(poisoned(c, sparse_readable(case)), True) for c in (case.k, case.v))
+    torch.testing.assert_close(eager.sparse_draft_attention(case.q, k, v, *draft_args, sinks=sinks), expected,
+                               atol=1e-5, rtol=1e-5)
+    for window in (None, 7):
+        expected = reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling, window,
+                                             sinks=sinks)
+        k, v = (_layout(_stale(c, case, dense_readable(case, window)), True) for c in (case.k, case.v))
+        got = eager.dense_attention(case.q, k, v, case.q_slot, case.kv_len, case.scaling, window, sinks=sinks)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    rows = torch.tensor([0, tokens - 1])
+    args = (case.q[:, :, rows], case.k, case.q_slot[:, rows], case.kv_len, case.sel_end, case.scaling, "weights")
+    torch.testing.assert_close(eager.row_scores(*args, sinks=sinks), reference.row_scores(*args, sinks=sinks))
+
+
+def test_reference_sinks_are_gpt_oss_attention():
+    """The reference's sinks follow transformers' own gpt-oss attention: the sink joins the softmax's denominator
+    and adds nothing to the output. A sink far below every logit changes nothing; a high one scales the output."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    case = make_case([23, 23], [0, 0], 4, 16, 4, 2, device="cpu")
+    sinks = _sinks(4)
+    expected = reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
+                                         sinks=sinks)
+    n = 23  # both rows hold 23 slots, the 4 queries are the last ones
+    k, v = case.k[:, :n].transpose(1, 2), case.v[:, :n].transpose(1, 2)
+    slots = torch.arange(n)
+    mask = torch.where(slots[None, :] <= case.q_slot[0][:, None], 0.0, float("-inf"))[None, None]
+    module = SimpleNamespace(num_key_value_groups=2, sinks=sinks, training=False)
+    got, _ = eager_attention_forward(module, case.q, k, v, mask.expand(2, 1, 4, n), scaling=case.scaling,
+                                     dropout=0.0, s_aux=sinks)
+    torch.testing.assert_close(expected, got, atol=1e-5, rtol=1e-5)
+    plain = reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling)
+    far_below = reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
+                                          sinks=torch.full((4,), -1e4))
+    torch.testing.assert_close(far_below, plain)
+    assert (expected.norm(dim=-1) < plain.norm(dim=-1) + 1e-6).all(), "a sink only takes weight away"

@@ -276,19 +276,6 @@ def test_images_on_a_multimodal_class_are_refused_before_any_forward():
     assert forwards == []
 
 
-def test_attention_sinks_are_refused_before_any_forward():
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    model = GptOssForCausalLM(GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                           num_local_experts=4, num_experts_per_tok=2, sliding_window=16)).eval()
-    forwards = []
-    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
-    with pytest.raises(ValueError, match="attention sinks"):
-        model.generate(IDS, attention_mask=MASK, max_new_tokens=4, pad_token_id=0, custom_generate="vegas")
-    assert forwards == []
-
-
 def test_an_empty_cache_the_user_passes_is_refused(model_and_counter):
     """Vanilla fills a cache the caller passes; hf_vegas decodes in its own and would leave it empty."""
     model, forwards = model_and_counter

@@ -203,3 +203,30 @@ def test_batch_ends_where_its_last_row_first_stops_without_eos():
         out = model.generate(ids, **common, stopping_criteria=criteria(), custom_generate=custom, vegas_gamma=6,
                              vegas_sparsity=1.0, vegas_min_tokens=1)
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gpt_oss_attention_sinks_give_vanilla_greedy_tokens(backend):
+    """gpt-oss' learned sinks join every softmax (full and sliding layers, drafts, verifications, the selection's
+    weights): the tokens are vanilla's. The Triton backend runs its sink layers on the plain ops. Sinks drawn large
+    enough that ignoring them would change the tokens."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    config = GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=16, pad_token_id=0)
+    model = GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(4) * 3)
+    ids, mask = ragged_batch([50, 33])  # tiny_models.VOCAB ids fit the 128-token vocabulary
+    common = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    vanilla = model.generate(ids, **common)
+    out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=3, vegas_sparsity=0.2,
+                         vegas_min_tokens=8, vegas_backend=backend)
+    torch.testing.assert_close(out, vanilla, rtol=0, atol=0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.zero_()
+    assert not torch.equal(model.generate(ids, **common), vanilla), "the sinks must matter for this test to prove it"

@@ -31,7 +31,7 @@ def _heads_first(cache: torch.Tensor, n: int) -> torch.Tensor:
     return cache[:, :n].transpose(1, 2)
 
 
-def _attend(q, k, v, visible, scaling: float, softcap: float | None) -> torch.Tensor:
+def _attend(q, k, v, visible, scaling: float, softcap: float | None, sinks=None) -> torch.Tensor:
     """`q` `(B, Hq, T, D)` over `k`, `v` `(B, Hkv, N, D)`, `visible` `(B, T, N)` or None (all).
     Returns `(B, T, Hq, Dv)`.
 
@@ -43,7 +43,7 @@ def _attend(q, k, v, visible, scaling: float, softcap: float | None) -> torch.Te
     batch, q_heads, tokens, _ = q.shape
     kv_heads = k.shape[1]
     groups = q_heads // kv_heads
-    if visible is not None and tokens > GROUPED_MAX_TOKENS and softcap is None:
+    if visible is not None and tokens > GROUPED_MAX_TOKENS and softcap is None and sinks is None:
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible[:, None], scale=scaling, enable_gqa=groups > 1
         )
@@ -51,15 +51,17 @@ def _attend(q, k, v, visible, scaling: float, softcap: float | None) -> torch.Te
     grouped = q.reshape(batch, kv_heads, groups * tokens, q.shape[-1])
     if visible is not None:  # (B, T, N) -> (B, 1, groups * T, N): every head of a group sees what its token sees
         visible = visible[:, None].expand(batch, groups, tokens, -1).reshape(batch, 1, groups * tokens, -1)
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = torch.nn.functional.scaled_dot_product_attention(
             grouped, k.to(q.dtype), v.to(q.dtype), attn_mask=visible, scale=scaling
         )
-    else:
-        logits = _grouped_logits(q, k, scaling, softcap).reshape(batch, kv_heads, groups * tokens, -1)
+    else:  # SDPA has neither a soft cap nor sinks: the softmax by hand, per query head, then grouped again
+        logits = _grouped_logits(q, k, scaling, softcap)  # (B, Hq, T, N)
         if visible is not None:
-            logits = logits.masked_fill(~visible, float("-inf"))
-        out = torch.matmul(torch.softmax(logits, dim=-1), v.float()).to(q.dtype)
+            # every query head of a token sees what the token sees: one (B, 1, T, N) mask for all heads
+            logits = logits.masked_fill(~visible.reshape(batch, groups, tokens, -1)[:, :1], float("-inf"))
+        probs = reference.softmax_with_sinks(logits, sinks).reshape(batch, kv_heads, groups * tokens, -1)
+        out = torch.matmul(probs, v.float()).to(q.dtype)
     # Contiguous, as transformers' own attention functions return it: some models `view` it (AFMoE).
     return out.reshape(batch, q_heads, tokens, -1).transpose(1, 2).contiguous()
 
@@ -79,22 +81,23 @@ def _all_or_mask(visible: torch.Tensor) -> torch.Tensor | None:
     return None if bool(visible.all()) else visible
 
 
-def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling: float, window=None, softcap=None):
+def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling: float, window=None, softcap=None, sinks=None):
     """`reference.dense_attention` over slots `[0, max(kv_len))` only (a shorter row's slots past its length, and
     those a window leaves, are read and masked out)."""
     n = int(kv_len.max())
     visible = _all_or_mask(reference._visible(q_slot, kv_len, n, window))
-    return _attend(q, _heads_first(k_cache, n), _heads_first(v_cache, n), visible, scaling, softcap)
+    return _attend(q, _heads_first(k_cache, n), _heads_first(v_cache, n), visible, scaling, softcap, sinks)
 
 
-def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None):
+def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None,
+                           sinks=None):
     """`reference.sparse_draft_attention`, reading only the selected slots and the tail, gathered per row."""
     if q.shape[0] == 1 and q.shape[2] == 1:
         slots = _one_query_list(q_slot, kv_len, sel_idx, sel_count, sel_end)
         if slots is not None:
             n = int(kv_len[0])
             k, v = _gather_slots(k_cache, slots, n), _gather_slots(v_cache, slots, n)
-            return _attend(q, k, v, None, scaling, softcap)
+            return _attend(q, k, v, None, scaling, softcap, sinks)
     n = int(kv_len.max())
     visible = reference.draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, n)  # (B, T, n)
     batch, tokens, _ = visible.shape
@@ -113,7 +116,7 @@ def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_cou
     else:
         listed = visible.gather(2, slots[:, None, :].expand(batch, tokens, width)) & in_list[:, None, :]
     k, v = _gather_slots(k_cache, slots, n), _gather_slots(v_cache, slots, n)
-    return _attend(q, k, v, _all_or_mask(listed), scaling, softcap)
+    return _attend(q, k, v, _all_or_mask(listed), scaling, softcap, sinks)
 
 
 def _one_query_list(q_slot, kv_len, sel_idx, sel_count, sel_end) -> torch.Tensor | None:
@@ -144,7 +147,7 @@ def _gather_slots(cache: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Ten
     return heads_first[:, :, :n].gather(2, index)
 
 
-def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: str, softcap=None):
+def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: str, softcap=None, sinks=None):
     """`reference.row_scores` over the valid slots: `(B, R, S)`, `-inf` outside the candidates."""
     if score not in ("logits", "weights"):
         raise ValueError(f"score must be 'logits' or 'weights', got {score!r}")
@@ -153,7 +156,7 @@ def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: s
     logits = _grouped_logits(q_rows, _heads_first(k_cache, n), scaling, softcap)  # (B, Hq, R, n)
     visible = reference._visible(q_slot_rows, kv_len, n, None)[:, None]
     if score == "weights":
-        values = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        values = reference.softmax_with_sinks(logits.masked_fill(~visible, float("-inf")), sinks)
     else:
         values = logits.masked_fill(~visible, 0.0)
     mean = values.mean(dim=1)

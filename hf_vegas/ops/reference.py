@@ -6,6 +6,8 @@ Shapes (cache layout "NHD", see `hf_vegas.cache`):
     v_cache     `(B, S, Hkv, Dv)`
     q_slot      `(B, T)` position of each query; a query sees slots `<= q_slot`
     kv_len      `(B,)` slots `>= kv_len` hold nothing valid
+    sinks       `(Hq,)` or None: a learned logit per query head that joins each softmax's denominator and adds
+                nothing to the output (gpt-oss' attention sinks, `s_aux` in transformers)
 The reference reads the whole buffer and masks; the kernels read only the slots the mask allows.
 """
 
@@ -53,13 +55,24 @@ def _logits(q: torch.Tensor, k_cache: torch.Tensor, scaling: float, softcap: flo
     return logits
 
 
-def masked_attention(q, k_cache, v_cache, visible, scaling: float, softcap: float | None = None) -> torch.Tensor:
+def softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dimension of `(B, Hq, T, S)` logits; with `sinks`, each head's sink logit joins the
+    denominator (as one more column, dropped after), as gpt-oss' own attention computes it."""
+    if sinks is None:
+        return torch.softmax(logits, dim=-1)
+    batch, heads, tokens, _ = logits.shape
+    column = sinks.to(logits.dtype).reshape(1, heads, 1, 1).expand(batch, heads, tokens, 1)
+    return torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1]
+
+
+def masked_attention(q, k_cache, v_cache, visible, scaling: float, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of `q` over the slots `visible` `(B, T, S)` allows. Returns `(B, T, Hq, Dv)` in `q.dtype`.
 
     Every query must see at least one slot.
     """
     groups = q.shape[1] // k_cache.shape[2]
-    if softcap is None:
+    if softcap is None and sinks is None:
         k = k_cache.permute(0, 2, 1, 3)
         v = v_cache.permute(0, 2, 1, 3)
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -68,29 +81,31 @@ def masked_attention(q, k_cache, v_cache, visible, scaling: float, softcap: floa
     else:
         logits = _logits(q, k_cache, scaling, softcap).masked_fill(~visible[:, None], float("-inf"))
         v = v_cache.permute(0, 2, 1, 3).repeat_interleave(groups, dim=1).float()
-        out = torch.matmul(torch.softmax(logits, dim=-1), v).to(q.dtype)
+        out = torch.matmul(softmax_with_sinks(logits, sinks), v).to(q.dtype)
     return out.transpose(1, 2)
 
 
-def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling: float, window=None, softcap=None):
+def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling: float, window=None, softcap=None, sinks=None):
     """Full causal attention over each row's cache (verification, prefill, sliding-window layers)."""
     visible = _visible(q_slot, kv_len, k_cache.shape[1], window)
-    return masked_attention(q, k_cache, v_cache, visible, scaling, softcap)
+    return masked_attention(q, k_cache, v_cache, visible, scaling, softcap, sinks)
 
 
-def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None):
+def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None,
+                           sinks=None):
     """Draft attention: the selected candidate slots plus the tail `[sel_end, kv_len)`."""
     visible = draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, k_cache.shape[1])
-    return masked_attention(q, k_cache, v_cache, visible, scaling, softcap)
+    return masked_attention(q, k_cache, v_cache, visible, scaling, softcap, sinks)
 
 
-def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: str, softcap=None):
+def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: str, softcap=None, sinks=None):
     """Criticality of each candidate slot for the given query rows, averaged over query heads.
 
     Args:
         q_rows `(B, Hq, R, D)`, q_slot_rows `(B, R)`: the collected query rows (Collect-2-Query: R = 2).
         cand_end `(B,)`: candidates are slots `[0, cand_end)`; other slots score `-inf`.
-        score: `"logits"` (raw scaled logits) or `"weights"` (softmax weights over each row's visible slots).
+        score: `"logits"` (raw scaled logits) or `"weights"` (softmax weights over each row's visible slots, with
+            the `sinks` in their denominators: the weights the layer's attention gives).
 
     Returns `(B, R, S)` fp32, head-averaged, `-inf` outside the candidates.
     """
@@ -98,7 +113,7 @@ def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: s
     logits = _logits(q_rows, k_cache, scaling, softcap)  # (B, Hq, R, S)
     visible = _visible(q_slot_rows, kv_len, num_slots, None)[:, None]  # full-attention layers only
     if score == "weights":
-        values = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        values = softmax_with_sinks(logits.masked_fill(~visible, float("-inf")), sinks)
     elif score == "logits":
         values = logits.masked_fill(~visible, 0.0)
     else:
