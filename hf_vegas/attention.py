@@ -54,8 +54,7 @@ def vegas_attention_forward(
         )
     if dropout:
         raise ValueError("hf_vegas runs inference only: attention dropout must be 0 (call model.eval()).")
-    # gpt-oss' learned attention sinks: one logit per query head in every softmax's denominator. The plain-PyTorch
-    # ops take them; the Triton kernels do not yet, so such layers run the plain ops (slower, same tokens).
+    # gpt-oss' learned attention sinks: one logit per query head in every softmax's denominator (every op takes them).
     sinks = kwargs.get("s_aux")
     if scaling is None:
         scaling = module.head_dim**-0.5
@@ -71,9 +70,9 @@ def vegas_attention_forward(
             f"Layer {module.layer_idx} attends with sliding_window={sliding_window}, but its config says "
             f"{'full' if full_layer else 'sliding'} attention: hf_vegas cannot tell which layers to sparsify."
         )
-    kernels = _kernels_for(cache, query, key) if sinks is None else None
+    kernels = _kernels_for(cache, query, key)
     ops = _torch_ops(cache)
-    extra_ops = {} if sinks is None else dict(sinks=sinks)  # the kernels' signatures have no sinks
+    extra_ops = {} if sinks is None else dict(sinks=sinks)
     # The kernels skip finished rows (length 0: they read nothing and output zeros, which nothing uses). The plain
     # PyTorch ops keep every row's length: a row of length 0 would give them an all-masked softmax (NaN).
     kv_len = cache.attend_lengths if kernels else cache.lengths
@@ -92,7 +91,7 @@ def vegas_attention_forward(
     elif kernels is not None and selecting and cache.score_rows is not None:
         out, emitted, lse = kernels.verify_attention(
             query, key, value, cache.query_slots, kv_len, scaling, cache.score_rows,
-            cache.vegas_config.score, softcap,
+            cache.vegas_config.score, softcap, **extra_ops,
         )
         _select_from_emitted(cache, kernels, module.layer_idx, emitted, lse, query.shape[1])
     else:

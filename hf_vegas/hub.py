@@ -263,9 +263,9 @@ Qwen3, Gemma-3, Phi-3, DeepSeek-V2/V3 and others).
 - Decoder-only models; batches of any size, left-padded (`tokenizer(..., padding_side="left")`).
 - Greedy decoding and sampling with every standard logits processor, stopping criteria and stop strings, streamers
   (batch 1), `output_scores` / `output_logits`, `inputs_embeds`, and a prefilled `DynamicCache` prompt cache.
-- Sliding-window layers keep their window; learned attention sinks (gpt-oss) are supported (on the GPU through
-  plain-PyTorch attention for now). Layers with recurrent or linear attention, image inputs, beam search and the
-  other decoding modes are refused before any forward pass, with the argument named.
+- Sliding-window layers keep their window; learned attention sinks (gpt-oss) are supported. Layers with recurrent
+  or linear attention, image inputs, beam search and the other decoding modes are refused before any forward pass,
+  with the argument named.
 
 ## Additional Arguments
 {_arguments()}

@@ -157,6 +157,45 @@ def test_one_split_writes_what_the_combine_would(monkeypatch, head_dim, q_heads,
     _assert_close(lse, split_lse, torch.float32)
 
 
+@pytest.mark.parametrize("waves", [0, 8])  # one split writing its result, or splits and the combine
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", [HEADS[1], HEADS[3]])
+def test_sinks_in_every_kernel(monkeypatch, head_dim, q_heads, kv_heads, waves):
+    """gpt-oss' per-head sink logits: draft, dense (also windowed) and verify kernels against the reference, and the
+    verification's softmax-weight scores against the reference's weights with the sinks in their denominators."""
+    sinks = torch.linspace(-2.0, 3.0, q_heads, device=DEVICE)
+    for kind in ("sparse", "dense", "verify"):
+        monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], "waves": waves, "block_n": 16})
+    tokens = 4
+    case = make_case(LENGTHS, [tokens + 1] * 3, tokens, head_dim, q_heads, kv_heads, seed=13)
+    readable = sparse_readable(case)
+    args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
+    got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args,
+                                         sinks=sinks)
+    _assert_close(got, reference.sparse_draft_attention(case.q, case.k, case.v, *args, sinks=sinks), torch.float32)
+    for window in (None, 5):
+        readable = dense_readable(case, window)
+        dense_args = (case.q_slot, case.kv_len, case.scaling, window)
+        got = kernels.dense_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *dense_args,
+                                      sinks=sinks)
+        expected = reference.dense_attention(case.q, case.k, case.v, *dense_args, sinks=sinks)
+        _assert_close(got, expected, torch.float32)
+    rows = torch.tensor([0, tokens - 1], device=DEVICE)
+    readable = dense_readable(case)
+    out, emitted, lse = kernels.verify_attention(
+        case.q, poisoned(case.k, readable), poisoned(case.v, readable), case.q_slot, case.kv_len, case.scaling,
+        rows, "weights", sinks=sinks,
+    )
+    _assert_close(out, reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
+                                                 sinks=sinks), torch.float32)
+    expected = reference.row_scores(case.q[:, :, rows], case.k, case.q_slot[:, rows], case.kv_len, case.sel_end,
+                                    case.scaling, "weights", sinks=sinks)
+    got = kernels.finalize_scores(emitted, lse, rows, case.sel_end, q_heads, True, mean_rows=False)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(expected))
+    _assert_close(got[torch.isfinite(got)], expected[torch.isfinite(expected)], torch.float32)
+    with pytest.raises(ValueError, match="one logit per query head"):
+        kernels.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling, sinks=sinks[:1])
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU versions above cover it")
 
 

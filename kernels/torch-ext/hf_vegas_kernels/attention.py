@@ -42,7 +42,7 @@ def _tanh(x):
 
 @triton.jit
 def _attend_list(
-    Q, K, V, QSlot, KvLen, SelIdx, SelCount, TailStart, ScoreRows, MPart, LPart, OPart, Emit, Out, Lse,
+    Q, K, V, QSlot, KvLen, SelIdx, SelCount, TailStart, ScoreRows, MPart, LPart, OPart, Emit, Out, Lse, Sinks,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -52,7 +52,7 @@ def _attend_list(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     SPARSE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     EMIT: tl.constexpr, NUM_SCORE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
-    SINGLE: tl.constexpr,
+    SINGLE: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     split = tl.program_id(0)
     row_head = tl.program_id(1)
@@ -142,9 +142,11 @@ def _attend_list(
         m_i = m_new
 
     if SINGLE:  # one split: the program owns the whole list and writes the result itself (no combine launch)
+        head = kvh * GROUPS + g
+        if HAS_SINKS:
+            m_i, l_i, acc = _with_sinks(Sinks, head, row_ok, m_i, l_i, acc)
         seen = l_i > 0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
-        head = kvh * GROUPS + g
         tl.store(Out + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < V_DIM))
         tl.store(Lse + b * stride_lb + t * stride_lt + head,
@@ -157,11 +159,21 @@ def _attend_list(
 
 
 @triton.jit
+def _with_sinks(Sinks, head, ok, m_i, l_i, acc):
+    """Fold each query head's sink logit into a softmax state `(max, sum, unnormalised output)`: it joins the sum
+    and adds nothing to the output (gpt-oss' attention sinks). A row that saw no slot keeps a zero output."""
+    sink = tl.load(Sinks + head, mask=ok, other=0.0).to(tl.float32)
+    top = tl.maximum(m_i, sink)
+    scale = tl.where(m_i == float("-inf"), 0.0, tl.exp(m_i - top))
+    return top, l_i * scale + tl.exp(sink - top), acc * scale[:, None]
+
+
+@triton.jit
 def _combine_splits(
-    MPart, LPart, OPart, Out, Lse, num_splits,
+    MPart, LPart, OPart, Out, Lse, Sinks, num_splits,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, V_DIM: tl.constexpr,
-    ROWS_PER_PROGRAM: tl.constexpr, SPLIT_BLOCK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr, SPLIT_BLOCK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # A program merges ROWS_PER_PROGRAM query rows of one (row, KV head): first the maximum over all splits, then
     # the rescaled sums, SPLIT_BLOCK splits per step so that their loads are independent of each other.
@@ -192,6 +204,8 @@ def _combine_splits(
     b = (row_head // KV_HEADS).to(tl.int64)
     head = (row_head % KV_HEADS) * GROUPS + m % GROUPS
     t = m // GROUPS
+    if HAS_SINKS:  # `top` is 0 for a row no split saw: its zero sum and output rescale to zero all the same
+        top, l_total, acc = _with_sinks(Sinks, head, m_ok, top, l_total, acc)
     seen = l_total > 0
     out = acc / tl.where(seen, l_total, 1.0)[:, None]
     tl.store(Out + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
@@ -215,10 +229,11 @@ def _num_splits(list_len: int, programs: int, block_n: int, waves: float, device
 
 def attend(
     q, k_cache, v_cache, q_slot, kv_len, scaling: float, *, tail_start, list_len: int,
-    sel_idx=None, sel_count=None, softcap=None, window=None, score_rows=None, emit: int = EMIT_NONE,
+    sel_idx=None, sel_count=None, softcap=None, window=None, score_rows=None, emit: int = EMIT_NONE, sinks=None,
 ):
     """Attention of `q` `(B, Hq, T, D)` over each row's slot list. Returns `(out (B, T, Hq, Dv), lse (B, T, Hq),
     emitted)`; `emitted` is `(B, R, heads, S)` fp32 logits of the `score_rows` (R of them), indexed by slot, or None.
+    `sinks` `(Hq,)`: one logit per query head in each softmax's denominator (the log-sum-exp includes it).
 
     `list_len` is a host-side bound on the list length used to size the splits (a wrong bound is only slower).
     """
@@ -268,9 +283,15 @@ def attend(
         emit_rows = score_rows.numel() * (1 if emit == EMIT_GROUP_SUM else groups)
     else:
         emitted, score_rows_or_any, emit_rows = lse, q_slot, 1  # unused: the kernel never touches them
+    if sinks is not None:
+        if sinks.shape != (q_heads,):
+            raise ValueError(f"attend: sinks must hold one logit per query head, shape ({q_heads},), "
+                             f"got {tuple(sinks.shape)}")
+        sinks = sinks.to(device=device, dtype=torch.float32).contiguous()
     _attend_list[(splits, batch * kv_heads)](
         q, k_cache, v_cache, q_slot.contiguous(), kv_len, sel_idx if sparse else kv_len,
         sel_count if sparse else kv_len, tail_start, score_rows_or_any, m_part, l_part, o_part, emitted, out, lse,
+        sinks if sinks is not None else lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -283,7 +304,7 @@ def attend(
         SPARSE=sparse, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
         EMIT=emit, NUM_SCORE_ROWS=score_rows.numel() if emitting else 0,
         BLOCK_E=max(16, triton.next_power_of_2(emit_rows)), PRECISION=_launch.dot_precision(q.dtype),
-        SINGLE=single, num_warps=tuning["num_warps"], num_stages=stages,
+        SINGLE=single, HAS_SINKS=sinks is not None, num_warps=tuning["num_warps"], num_stages=stages,
     )
     if single:
         return out, lse, (emitted if emitting else None)
@@ -292,9 +313,10 @@ def attend(
     per_program = 1 if device.type == "cuda" else triton.next_power_of_2(rows)
     split_block = max(1, min(triton.next_power_of_2(splits), 4096 // (per_program * block_dv)))
     _combine_splits[(batch * kv_heads, triton.cdiv(rows, per_program))](
-        m_part, l_part, o_part, out, lse, splits,
+        m_part, l_part, o_part, out, lse, sinks if sinks is not None else lse, splits,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         num_tokens, KV_HEADS=kv_heads, GROUPS=groups, V_DIM=v_dim,
-        ROWS_PER_PROGRAM=per_program, SPLIT_BLOCK=split_block, BLOCK_DV=block_dv, num_warps=4,
+        ROWS_PER_PROGRAM=per_program, SPLIT_BLOCK=split_block, BLOCK_DV=block_dv, HAS_SINKS=sinks is not None,
+        num_warps=4,
     )
     return out, lse, (emitted if emitting else None)

@@ -1,4 +1,5 @@
-"""The kernels behind the signatures of `hf_vegas.ops.reference` (plus the host-side list-length hint)."""
+"""The kernels behind the signatures of `hf_vegas.ops.reference` (plus the host-side list-length hint). `sinks`
+`(Hq,)`: gpt-oss' per-head sink logits, in every softmax's denominator."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from .attention import EMIT_GROUP_SUM, EMIT_PER_HEAD, attend
 
 
 def sparse_draft_attention(
-    q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None, list_len=None
+    q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None, list_len=None, sinks=None
 ):
     """Draft attention over `sel_idx[b, :sel_count[b]]` plus the tail `[sel_end[b], kv_len[b])`. `(B, T, Hq, Dv)`.
 
@@ -17,7 +18,7 @@ def sparse_draft_attention(
     hint = list_len if list_len is not None else sel_idx.shape[1]
     out, _, _ = attend(
         q, k_cache, v_cache, q_slot, kv_len, scaling, tail_start=sel_end, list_len=hint,
-        sel_idx=sel_idx, sel_count=sel_count, softcap=softcap,
+        sel_idx=sel_idx, sel_count=sel_count, softcap=softcap, sinks=sinks,
     )
     return out
 
@@ -29,24 +30,26 @@ def _dense_start(q_slot: torch.Tensor, window: int | None) -> torch.Tensor:
     return (q_slot.min(dim=1).values - window + 1).clamp_min(0)
 
 
-def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, window=None, softcap=None, list_len=None):
+def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, window=None, softcap=None, list_len=None,
+                    sinks=None):
     """Full causal (optionally windowed) attention over each row's cache: the dense decode path. `(B, T, Hq, Dv)`."""
     if list_len is None:
         list_len = k_cache.shape[1] if window is None else window + q.shape[2]
     out, _, _ = attend(
         q, k_cache, v_cache, q_slot, kv_len, scaling, tail_start=_dense_start(q_slot, window), list_len=list_len,
-        softcap=softcap, window=window,
+        softcap=softcap, window=window, sinks=sinks,
     )
     return out
 
 
 def verify_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, score: str, softcap=None,
-                     list_len=None):
+                     list_len=None, sinks=None):
     """Dense attention that also emits the logits of the query rows `score_rows` for every slot it reads.
 
     Returns `(out (B, T, Hq, Dv), emitted (B, R, heads, S), lse (B, T, Hq))`, for `finalize_scores`:
     `score="logits"` emits per-KV-head group sums (heads = Hkv), as logits are linear in the query; softmax weights,
-    and soft-capped logits, need every query head's own logits (heads = Hq).
+    and soft-capped logits, need every query head's own logits (heads = Hq). With `sinks` the log-sum-exp includes
+    them, so the weights are the layer's own attention weights.
     """
     if score not in ("logits", "weights"):
         raise ValueError(f"score must be 'logits' or 'weights', got {score!r}")
@@ -54,7 +57,7 @@ def verify_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, s
     out, lse, emitted = attend(
         q, k_cache, v_cache, q_slot, kv_len, scaling, tail_start=_dense_start(q_slot, None),
         list_len=list_len if list_len is not None else k_cache.shape[1], softcap=softcap,
-        score_rows=score_rows, emit=emit,
+        score_rows=score_rows, emit=emit, sinks=sinks,
     )
     return out, emitted, lse
 
