@@ -36,8 +36,9 @@ class Case:
 
 
 def make_case(lengths, tails, tokens, head_dim, q_heads, kv_heads, slots=None, dtype=torch.float32,
-              device=DEVICE, seed=0, sparsity=0.3) -> Case:
-    """Rows of `lengths` cached slots whose last `tails[b]` were written after the selection; `tokens` queries."""
+              device=DEVICE, seed=0, sparsity=0.3, v_dim=None) -> Case:
+    """Rows of `lengths` cached slots whose last `tails[b]` were written after the selection; `tokens` queries.
+    `v_dim`: the values' head dim when it differs from the keys' (latent attention: DeepSeek-V2/V3, MiniCPM3)."""
     gen = torch.Generator().manual_seed(seed)
     batch = len(lengths)
     slots = slots or max(lengths) + 7  # the buffer is longer than any row, as in VegasCache
@@ -55,7 +56,7 @@ def make_case(lengths, tails, tokens, head_dim, q_heads, kv_heads, slots=None, d
     q_slot = kv_len[:, None] - tokens + torch.arange(tokens, device=device)[None, :]
     return Case(
         q=randn(batch, q_heads, tokens, head_dim), k=randn(batch, slots, kv_heads, head_dim),
-        v=randn(batch, slots, kv_heads, head_dim), q_slot=q_slot, kv_len=kv_len, sel_idx=sel_idx.to(device),
+        v=randn(batch, slots, kv_heads, v_dim or head_dim), q_slot=q_slot, kv_len=kv_len, sel_idx=sel_idx.to(device),
         sel_count=torch.tensor(counts, device=device), sel_end=sel_end, scaling=head_dim**-0.5,
     )
 

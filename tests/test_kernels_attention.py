@@ -196,6 +196,34 @@ def test_sinks_in_every_kernel(monkeypatch, head_dim, q_heads, kv_heads, waves):
         kernels.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling, sinks=sinks[:1])
 
 
+# Latent attention (DeepSeek-V2/V3, MiniCPM3): keys of a no-RoPE part plus a RoPE part, values of another width.
+MLA_HEADS = [(96, 64, 4, 4), (192, 128, 2, 2), (40, 24, 3, 1)]  # (key dim, value dim, query heads, KV heads)
+
+
+@pytest.mark.parametrize("head_dim,v_dim,q_heads,kv_heads", MLA_HEADS)
+def test_value_head_dim_other_than_the_keys(head_dim, v_dim, q_heads, kv_heads):
+    """Every kernel with values narrower than the keys: outputs of the values' width, equal to the reference's."""
+    tokens = 3
+    case = make_case(LENGTHS, [tokens + 1] * 3, tokens, head_dim, q_heads, kv_heads, seed=17, v_dim=v_dim)
+    readable = sparse_readable(case)
+    args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
+    got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args)
+    assert got.shape[-1] == v_dim
+    _assert_close(got, reference.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
+    readable = dense_readable(case)
+    k, v = poisoned(case.k, readable), poisoned(case.v, readable)
+    dense_args = (case.q_slot, case.kv_len, case.scaling)
+    expected = reference.dense_attention(case.q, case.k, case.v, *dense_args)
+    _assert_close(kernels.dense_attention(case.q, k, v, *dense_args), expected, torch.float32)
+    rows = torch.tensor([0, tokens - 1], device=DEVICE)
+    out, emitted, lse = kernels.verify_attention(case.q, k, v, *dense_args, rows, "weights")
+    _assert_close(out, expected, torch.float32)
+    want = reference.row_scores(case.q[:, :, rows], case.k, case.q_slot[:, rows], case.kv_len, case.sel_end,
+                                case.scaling, "weights")
+    got = kernels.finalize_scores(emitted, lse, rows, case.sel_end, q_heads, True, mean_rows=False)
+    _assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)], torch.float32)
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU versions above cover it")
 
 
