@@ -269,10 +269,7 @@ class _Loop:
         # Greedy choice without outputs that show the scores only takes an argmax: vanilla's fp32 copy would not
         # change it (the copy is exact), so it is skipped.
         argmax_only = not self.do_sample and not self.recorder.want_scores
-        if self.pipeline.batched:
-            scores = self.pipeline.history_free(logits, keep_dtype=argmax_only)
-        else:
-            scores = self.pipeline.positions(self.tokens, self.history, logits)
+        scores = self.pipeline.positions(self.tokens, self.history, logits, keep_dtype=argmax_only)
         if drafts is None:  # dense decoding
             chunk = choose(scores[:, 0], self.do_sample)[:, None]
             n = torch.zeros_like(chunk[:, 0])

@@ -135,8 +135,7 @@ class StepRunner:
         if start is None:
             start = torch.tensor(history, device=tokens.device)
         ids, drafts, scores = pending[:, None], [], []
-        for i in range(self.gamma):
-            self.cache.begin("draft")
+        for i in range(self.gamma):  # `draft` declared the mode
             logits = self._replayed(ids, 1)[:, -1]
             step_scores = self.pipeline(tokens, [h + i for h in history], logits)
             token = choose(step_scores, self.do_sample)

@@ -79,7 +79,8 @@ class LogitsPipeline:
             processors = LogitsProcessorList(KernelTopP(p) if _kernel_replaces(p) else p for p in processors)
         self.processors = processors
         self.batched = all(isinstance(p, (*HISTORY_FREE, KernelTopP)) for p in self.processors)
-        settings = [_settings(p) if isinstance(p, CAPTURABLE) else None for p in self.processors]
+        # Exact classes only: a subclass may read the history or keep Python state that a replay would not update.
+        settings = [_settings(p) if type(p) in CAPTURABLE else None for p in self.processors]
         self.capture_key = None if None in settings else tuple(settings)
 
     def history_free(self, logits: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
@@ -97,12 +98,12 @@ class LogitsPipeline:
         return scores.reshape(shape)
 
     def __call__(self, tokens: torch.Tensor, history: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if self.batched:
+            return self.history_free(logits)
         # A copy in fp32, as vanilla generate does: some processors write into their input.
         scores = logits.to(dtype=torch.float32, copy=True)
-        if len(self.processors) == 0:
-            return scores
         lengths = sorted(set(history))
-        if self.batched or len(lengths) == 1:
+        if len(lengths) == 1:
             return self.processors(tokens[:, : history[0]], scores)
         # Processors may keep per-row state sized to the batch (e.g. the repetition penalty's prompt lengths), so
         # each call sees the whole batch at one history length, and only the rows of that length are kept.
@@ -112,14 +113,13 @@ class LogitsPipeline:
             out[rows] = self.processors(tokens[:, :length], scores.clone())[rows]
         return out
 
-
-    def positions(self, tokens: torch.Tensor, history: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """Process `(B, P, V)` logits where position `i` of row `b` follows history length `history[b] + i`."""
-        batch, num_positions, vocab = logits.shape
+    def positions(self, tokens: torch.Tensor, history: list[int], logits: torch.Tensor,
+                  keep_dtype: bool = False) -> torch.Tensor:
+        """Process `(B, P, V)` logits where position `i` of row `b` follows history length `history[b] + i`
+        (`keep_dtype`: see `history_free`; a batched pipeline reads neither `tokens` nor `history`)."""
         if self.batched:  # one call for every position
-            flat = self(tokens, history, logits.reshape(batch * num_positions, vocab))
-            return flat.reshape(batch, num_positions, vocab)
-        steps = [self(tokens, [h + i for h in history], logits[:, i]) for i in range(num_positions)]
+            return self.history_free(logits, keep_dtype)
+        steps = [self(tokens, [h + i for h in history], logits[:, i]) for i in range(logits.shape[1])]
         return torch.stack(steps, dim=1)
 
 

@@ -48,18 +48,17 @@ def _attend(q, k, v, visible, scaling: float, softcap: float | None, sinks=None)
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible[:, None], scale=scaling, enable_gqa=groups > 1
         )
         return out.transpose(1, 2).contiguous()
-    grouped = q.reshape(batch, kv_heads, groups * tokens, q.shape[-1])
-    if visible is not None:  # (B, T, N) -> (B, 1, groups * T, N): every head of a group sees what its token sees
-        visible = visible[:, None].expand(batch, groups, tokens, -1).reshape(batch, 1, groups * tokens, -1)
     if softcap is None and sinks is None:
+        grouped = q.reshape(batch, kv_heads, groups * tokens, q.shape[-1])
+        if visible is not None:  # (B, T, N) -> (B, 1, groups * T, N): every head of a group sees what its token sees
+            visible = visible[:, None].expand(batch, groups, tokens, -1).reshape(batch, 1, groups * tokens, -1)
         out = torch.nn.functional.scaled_dot_product_attention(
             grouped, k.to(q.dtype), v.to(q.dtype), attn_mask=visible, scale=scaling
         )
     else:  # SDPA has neither a soft cap nor sinks: the softmax by hand, per query head, then grouped again
         logits = _grouped_logits(q, k, scaling, softcap)  # (B, Hq, T, N)
-        if visible is not None:
-            # every query head of a token sees what the token sees: one (B, 1, T, N) mask for all heads
-            logits = logits.masked_fill(~visible.reshape(batch, groups, tokens, -1)[:, :1], float("-inf"))
+        if visible is not None:  # every query head of a token sees what the token sees
+            logits = logits.masked_fill(~visible[:, None], float("-inf"))
         probs = reference.softmax_with_sinks(logits, sinks).reshape(batch, kv_heads, groups * tokens, -1)
         out = torch.matmul(probs, v.float()).to(q.dtype)
     # Contiguous, as transformers' own attention functions return it: some models `view` it (AFMoE).
