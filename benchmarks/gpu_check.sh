@@ -5,6 +5,7 @@
 # greedy and sampling. Prints the tests' tail and the profiles' summaries last.
 #     bash benchmarks/gpu_check.sh
 #     TESTS="tests/test_graphs.py tests/test_kernels_top_p.py" TEST_S=400 NO_PROFILE=1 bash benchmarks/gpu_check.sh
+#     PROFILE_S=120 bash benchmarks/gpu_check.sh       (each profile's time limit, default 200 s)
 export PYTHONPATH=.:kernels/torch-ext:tests:benchmarks PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -15,7 +16,7 @@ if [ -z "${NO_PROFILE:-}" ]; then
     for decoding in greedy sample; do
         extra=""
         [ "$decoding" = sample ] && extra=--sample
-        timeout 200 python3 benchmarks/profile_forward.py --random-weights --compile $extra --trace "$OUT/$decoding" \
+        timeout "${PROFILE_S:-200}" python3 benchmarks/profile_forward.py --random-weights --compile $extra --trace "$OUT/$decoding" \
             --new-tokens 32 --top 14 > "$OUT/$decoding.txt" 2>&1
     done
 fi

@@ -17,7 +17,7 @@ from .attention import active_cache, vegas_attention
 from .cache import VegasCache
 from .candidate import VegasCandidateGenerator
 from .config import resolve_config
-from .fused_projections import in_draft_steps
+from .draft_layers import in_draft_steps
 from .ops import backend
 
 

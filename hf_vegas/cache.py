@@ -238,9 +238,14 @@ class VegasCache(Cache):
 
     @torch.compiler.disable  # host-side layout logic at layer 0: compiled steps (`vegas_compile`) call it eagerly
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        if layer_idx == 0:
-            self._start_forward(key_states.shape[2])
+        self.begin_layer(layer_idx, key_states.shape[2])
         return self.layers[layer_idx].update(key_states, value_states)
+
+    def begin_layer(self, layer_idx: int, num_tokens: int) -> None:
+        """Before a layer writes its keys: layer 0 lays out the forward's `num_tokens` tokens for every layer. A fused
+        draft layer (`hf_vegas.draft_layers`), which writes its keys itself, calls it in place of `update`."""
+        if layer_idx == 0:
+            self._start_forward(num_tokens)
 
     def rollback(self, new_lengths: torch.Tensor) -> None:
         """Set each row's committed length (drops rejected draft tokens; their slots are overwritten later)."""

@@ -25,7 +25,7 @@ from ._compat import internals as compat
 from .attention import active_cache, select_from_rows, vegas_attention
 from .config import VegasConfig, resolve_config
 from .cpu_linears import weights_left_linears
-from .fused_projections import in_draft_steps
+from .draft_layers import in_draft_steps
 from .ops import backend
 from .output import StepRecorder, VegasGenerateOutput
 from .runner import StepRunner

@@ -160,10 +160,3 @@ def fused_projections(model, active=lambda: True):
     finally:
         for module in patched:
             del module.forward  # the class's forward again
-
-
-def in_draft_steps(model, cache, enabled: bool):
-    """`fused_projections` for the forwards `cache` runs in its "draft" mode; a no-op context when not `enabled`."""
-    if not enabled:
-        return contextlib.nullcontext()
-    return fused_projections(model, active=lambda: cache.mode == "draft")

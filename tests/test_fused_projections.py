@@ -35,8 +35,9 @@ def test_grouped_linear_matches_reference(rows, with_bias):
 def test_linear_kernels_under_other_launch_settings(monkeypatch, setting):
     """Every tuned setting computes the same product: several row tiles, column blocks that narrow to fit a segment
     (48 and 80 take 16 even where 128 is allowed), a K block longer than K."""
-    from hf_vegas_kernels import _launch
+    from hf_vegas_kernels import _launch, linear
 
+    monkeypatch.setattr(linear, "INTERPRETER_BLOCK_N", 0)  # the settings under test, also in the interpreter
     for kind in _launch.LINEAR_TUNING:
         monkeypatch.setitem(_launch.LINEAR_TUNING, kind, setting)
     gen = torch.Generator().manual_seed(4)

@@ -154,8 +154,16 @@ def write_kv(k_cache, v_cache, key: torch.Tensor, value: torch.Tensor, slots: to
     v_cache[rows, slots] = value.transpose(1, 2).to(v_cache.dtype)
 
 
-def grouped_linear(x: torch.Tensor, weights, biases=None) -> torch.Tensor:
-    """The outputs of several projections of one input, concatenated on the last dimension."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: `weight * (x * rsqrt(mean(x^2) + eps))`, computed in fp32, in `x`'s dtype."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+
+
+def grouped_linear(x: torch.Tensor, weights, biases=None, norm_weight=None, eps: float = 1e-6) -> torch.Tensor:
+    """The outputs of several projections of one input (RMS-normalised first, with `norm_weight`), concatenated on
+    the last dimension."""
+    x = x if norm_weight is None else rms_norm(x, norm_weight, eps)
     biases = biases if biases is not None else [None] * len(weights)
     return torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
 
@@ -166,7 +174,27 @@ GATED_ACTIVATIONS = {
 }
 
 
-def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: str) -> torch.Tensor:
-    """A gated MLP's first half: `act(x @ w_gate.T) * (x @ w_up.T)`."""
+def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: str, norm_weight=None,
+                 eps: float = 1e-6) -> torch.Tensor:
+    """A gated MLP's first half: `act(x @ w_gate.T) * (x @ w_up.T)` (of the RMS-normalised `x`, with `norm_weight`)."""
+    x = x if norm_weight is None else rms_norm(x, norm_weight, eps)
     linear = torch.nn.functional.linear
     return GATED_ACTIVATIONS[act](linear(x, w_gate)) * linear(x, w_up)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama's rotary embedding of `x` `(..., D)` (the `rotate_half` convention), in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return x.float() * cos.float() + torch.cat([-x2, x1], dim=-1) * sin.float()
+
+
+def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, q_heads: int, kv_heads: int, head_dim: int):
+    """One forward's fused q/k/v projections `(B, T, (Hq + 2 Hkv) * D)`: write the rotated keys and the values into
+    the caches at `slots` `(B, T)` and return the rotated queries `(B, T, Hq, D)`. `cos`, `sin` `(B, T, D)`."""
+    batch, tokens, _ = qkv.shape
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    cos, sin = cos[:, :, None], sin[:, :, None]
+    keys = rotate(k.reshape(batch, tokens, kv_heads, head_dim), cos, sin)
+    write_kv(k_cache, v_cache, keys.transpose(1, 2), v.reshape(batch, tokens, kv_heads, head_dim).transpose(1, 2),
+             slots)
+    return rotate(q.reshape(batch, tokens, q_heads, head_dim), cos, sin).to(qkv.dtype)

@@ -1,0 +1,194 @@
+"""Fused draft layers: a standard pre-norm decoder layer (Llama and its kin) as six launches in a draft step.
+
+A SmolLM2 draft step at batch 64 is bound by its launch count, not its bytes (`benchmarks/profile_forward.py`):
+even compiled, each layer is eleven kernels of 1-4 us (add + norm, q/k/v, two rotary halves, the cache write, the
+sparse attention, the output projection, add + norm, gate/up, down, add). In draft steps a layer whose code is
+exactly Llama's runs instead as
+
+    q/k/v projection with the input RMSNorm folded in       hf_vegas_kernels.grouped_linear(norm_weight=...)
+    rotary embedding of q and k + cache write of k and v    hf_vegas_kernels.rope_write_kv
+    sparse draft attention                                  hf_vegas_kernels.sparse_draft_attention
+    output projection + residual                            torch.addmm (one cuBLAS call)
+    gate/up projection + activation, post-attention norm    hf_vegas_kernels.gated_linear(norm_weight=...)
+    down projection + residual                              torch.addmm
+
+Drafts only decide how many tokens are accepted, never which (the verification, with the model's own layers, picks
+every token; sampling uses the drafts' real probabilities), so this rounding is free to differ from the model's.
+
+Which layers: the decoder layer, its attention and its norms run exactly the code of transformers' own Llama classes
+(compared as source text against the installed release, so a model whose code differs in anything, a bias on the
+output projection, a soft cap, q/k norms, another rotary convention, keeps its own forward), with plain `nn.Linear`
+projections small enough for the one-launch kernels (`fused_projections`), no hooks, and full attention in this
+generation (sliding-window layers keep their window). Everything else, and every prefill, verification and dense
+step, runs the model's own forward. Instance `forward` attributes are removed when the block exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import sys
+
+import torch
+
+from .fused_projections import MAX_ROWS, _gated_mlp_activation, _plain_linears, _small, fused_projections
+from .ops import backend
+
+
+def _source(function) -> str | None:
+    try:
+        return "".join(inspect.getsource(function).split())
+    except (OSError, TypeError):
+        return None
+
+
+@functools.cache
+def _llama_sources() -> dict[str, str | None]:
+    """The code a layer must run to be fused: transformers' own Llama classes, as the installed release has them."""
+    from transformers.models.llama import modeling_llama as llama
+
+    return {
+        "layer": _source(llama.LlamaDecoderLayer.forward), "attention": _source(llama.LlamaAttention.forward),
+        "norm": _source(llama.LlamaRMSNorm.forward), "rotary": _source(llama.apply_rotary_pos_emb),
+        "rotate_half": _source(llama.rotate_half),
+    }
+
+
+@dataclasses.dataclass
+class _Parts:
+    """What a fused draft layer reads: the layer's own parameters (never copies) and its head layout."""
+
+    layer_idx: int
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    norm_in: torch.Tensor
+    eps_in: float
+    o_weight: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    act: str
+    norm_post: torch.Tensor
+    eps_post: float
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+def layer_parts(layer) -> _Parts | None:
+    """The parts of `layer` if it can run as a fused draft layer, else None (it keeps its own forward)."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    if attn is None or mlp is None or None in norms or getattr(attn, "layer_idx", None) is None:
+        return None
+    sources = _llama_sources()
+    module = sys.modules.get(type(attn).__module__)
+    if (_source(type(layer).forward) != sources["layer"] or _source(type(attn).forward) != sources["attention"]
+            or _source(getattr(module, "apply_rotary_pos_emb", None)) != sources["rotary"]
+            or _source(getattr(module, "rotate_half", None)) != sources["rotate_half"]
+            or any(_source(type(norm).forward) != sources["norm"] for norm in norms)):
+        return None
+    if any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in (layer, attn, mlp, *norms)):
+        return None
+    q, k, v, o = (getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    act = _gated_mlp_activation(mlp)
+    if act is None or not _plain_linears(q, k, v) or len({p.bias is None for p in (q, k, v)}) != 1:
+        return None
+    if not (_plain_linears(o) and _plain_linears(mlp.down_proj)) or o.bias is not None:
+        return None
+    if mlp.down_proj.bias is not None:
+        return None
+    head_dim = getattr(attn, "head_dim", None)
+    if not head_dim or head_dim % 2 or q.out_features % head_dim or v.out_features != k.out_features:
+        return None
+    if k.out_features % head_dim or o.in_features != q.out_features:
+        return None
+    weights = (q.weight, o.weight, mlp.gate_proj.weight, mlp.down_proj.weight, *(norm.weight for norm in norms))
+    if len({t.dtype for t in weights}) != 1:
+        return None
+    linear = backend.kernels().linear
+    if linear.block_n_for(q.out_features, k.out_features, v.out_features) is None:
+        return None
+    if linear.block_n_for(mlp.gate_proj.out_features) is None:
+        return None
+    if not _small(q, k, v) or not _small(mlp.gate_proj, mlp.up_proj):
+        return None
+    return _Parts(
+        layer_idx=attn.layer_idx, qkv=(q.weight, k.weight, v.weight),
+        qkv_bias=None if q.bias is None else (q.bias, k.bias, v.bias), norm_in=norms[0].weight,
+        eps_in=norms[0].variance_epsilon, o_weight=o.weight, gate=mlp.gate_proj.weight, up=mlp.up_proj.weight,
+        down=mlp.down_proj.weight, act=act, norm_post=norms[1].weight, eps_post=norms[1].variance_epsilon,
+        q_heads=q.out_features // head_dim, kv_heads=k.out_features // head_dim, head_dim=head_dim,
+        scaling=attn.scaling,
+    )
+
+
+def _applies(parts: _Parts, cache, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """Whether this forward is a draft step the fused layer runs: a one-token sparse draft of at most `MAX_ROWS`
+    rows, in the weights' dtype, without autocast (anything else runs the model's own forward)."""
+    return (not args and cache is not None and kwargs.get("past_key_values") is cache and cache.mode == "draft"
+            and kwargs.get("position_embeddings") is not None
+            and not cache.layers[parts.layer_idx].is_sliding and cache.layers[parts.layer_idx].is_initialized
+            and hidden_states.dim() == 3 and hidden_states.shape[1] == 1 and hidden_states.shape[0] <= MAX_ROWS
+            and hidden_states.dtype == parts.o_weight.dtype
+            and not torch.is_autocast_enabled(hidden_states.device.type))
+
+
+@torch.compiler.disable  # Triton launches on the cache's buffers: a compiled step calls it eagerly (graphs capture it)
+def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
+    kernels = backend.kernels()
+    batch, tokens, hidden = hidden_states.shape
+    x = hidden_states.reshape(batch * tokens, hidden)
+    qkv = kernels.grouped_linear(x, parts.qkv, parts.qkv_bias, norm_weight=parts.norm_in, eps=parts.eps_in)
+    cache.begin_layer(parts.layer_idx, tokens)
+    store = cache.layers[parts.layer_idx]
+    cos, sin = (t.contiguous() for t in position_embeddings)
+    q = kernels.rope_write_kv(qkv.view(batch, tokens, -1), cos, sin, store.keys, store.values, cache.write_slots,
+                              parts.q_heads, parts.kv_heads, parts.head_dim)
+    attn = kernels.sparse_draft_attention(
+        q.transpose(1, 2), store.keys, store.values, cache.query_slots, cache.attend_lengths,
+        cache.sel_idx[parts.layer_idx], cache.sel_count, cache.sel_end, parts.scaling, list_len=cache.draft_list_len,
+    )
+    x = torch.addmm(x, attn.reshape(batch * tokens, -1), parts.o_weight.t())
+    gated = kernels.gated_linear(x, parts.gate, parts.up, parts.act, norm_weight=parts.norm_post, eps=parts.eps_post)
+    return torch.addmm(x, gated, parts.down.t()).view(batch, tokens, hidden)
+
+
+@contextlib.contextmanager
+def fused_draft_layers(model, cache):
+    """Inside the block, the decoder layers of `model` that `layer_parts` accepts run their draft steps over `cache`
+    as fused launches (Triton backend); every other forward runs as before. Yields the number of layers fused."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    patched = []
+    try:
+        for layer in decoder.modules():
+            parts = layer_parts(layer)
+            if parts is None:
+                continue
+            standard = type(layer).forward
+
+            def forward(hidden_states, *args, _layer=layer, _parts=parts, _standard=standard, **kwargs):
+                if _applies(_parts, cache, hidden_states, args, kwargs):
+                    return _draft_forward(_parts, cache, hidden_states, kwargs["position_embeddings"])
+                return _standard(_layer, hidden_states, *args, **kwargs)
+
+            layer.forward = forward
+            patched.append(layer)
+        yield len(patched)
+    finally:
+        for layer in patched:
+            del layer.forward  # the class's forward again
+
+
+@contextlib.contextmanager
+def in_draft_steps(model, cache, enabled: bool):
+    """The fused draft layers, and the one-launch projections of the layers they do not cover (`fused_projections`),
+    for the forwards `cache` runs in its "draft" mode; a no-op context when not `enabled`."""
+    if not enabled:
+        yield
+        return
+    with fused_draft_layers(model, cache), fused_projections(model, active=lambda: cache.mode == "draft"):
+        yield

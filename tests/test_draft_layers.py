@@ -1,0 +1,163 @@
+"""Fused draft layers: their kernels against the reference ops, which layers fuse, the same draft step as the model's
+own layers, and generation that stays vanilla's."""
+
+import pytest
+import torch
+from transformers import LogitsProcessorList
+
+from hf_vegas.attention import active_cache, vegas_attention
+from hf_vegas.cache import VegasCache
+from hf_vegas.config import VegasConfig
+from hf_vegas.draft_layers import fused_draft_layers, layer_parts
+from hf_vegas.ops import reference
+from hf_vegas.runner import StepRunner
+from kernel_cases import DEVICE, NAN, import_kernels
+from tiny_models import ragged_batch, tiny_model
+
+kernels = import_kernels()
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every buffer the kernels allocate starts as NaN, so an entry a kernel forgets to write shows."""
+    def nan_empty(*shape, dtype, device):
+        return torch.full(shape, NAN if dtype.is_floating_point else -(2**40), dtype=dtype, device=device)
+
+    monkeypatch.setattr(kernels._launch, "empty", nan_empty)
+
+
+def _assert_fp32_close(got, want):
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 70])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_projections_with_the_norm_folded_in_match_reference(rows, with_bias, poison):
+    gen = torch.Generator().manual_seed(rows)
+    x = (3 * torch.randn(rows, 96, generator=gen) + 1).to(DEVICE)  # far from unit RMS: the norm matters
+    norm = torch.rand(96, generator=gen).to(DEVICE) + 0.5
+    weights = [torch.randn(n, 96, generator=gen).to(DEVICE) / 8 for n in (80, 48, 16)]
+    biases = [torch.randn(n, generator=gen).to(DEVICE) for n in (80, 48, 16)] if with_bias else None
+    want = reference.grouped_linear(x, weights, biases, norm_weight=norm, eps=1e-5)
+    assert not torch.allclose(want, reference.grouped_linear(x, weights, biases), atol=1e-2), "the norm must matter"
+    _assert_fp32_close(kernels.grouped_linear(x, weights, biases, norm_weight=norm, eps=1e-5), want)
+    gate, up = (torch.randn(48, 96, generator=gen).to(DEVICE) / 8 for _ in range(2))
+    _assert_fp32_close(kernels.gated_linear(x, gate, up, "silu", norm_weight=norm, eps=1e-5),
+                       reference.gated_linear(x, gate, up, "silu", norm_weight=norm, eps=1e-5))
+
+
+def test_a_norm_weight_of_the_wrong_shape_is_refused():
+    x = torch.randn(3, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="norm_weight must be a contiguous \\(32,\\) vector"):
+        kernels.grouped_linear(x, [torch.randn(16, 32, device=DEVICE)], norm_weight=torch.ones(16, device=DEVICE))
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("heads", [(6, 2, 20), (4, 4, 16), (3, 1, 64)])
+def test_rope_write_kv_matches_reference(tokens, heads, poison):
+    """Odd head counts and a head dim whose half (10) is no power of two; the caches are NaN outside the written
+    slots, and the returned queries come from a NaN-poisoned buffer."""
+    q_heads, kv_heads, head_dim = heads
+    batch, slots = 3, 11
+    gen = torch.Generator().manual_seed(tokens * 7 + head_dim)
+    qkv = torch.randn(batch, tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE)
+    angles = torch.rand(batch, tokens, head_dim // 2, generator=gen).to(DEVICE) * 6
+    cos = torch.cat([angles.cos(), (angles + 0.3).cos()], dim=-1)  # halves differ: each half's own factor is read
+    sin = torch.cat([angles.sin(), (angles + 0.3).sin()], dim=-1)
+    slot_ids = torch.stack([torch.randperm(slots, generator=gen)[:tokens] for _ in range(batch)]).to(DEVICE)
+    caches = [torch.full((batch, slots, kv_heads, head_dim), NAN, device=DEVICE) for _ in range(4)]
+    want_q = reference.rope_write_kv(qkv, cos, sin, caches[0], caches[1], slot_ids, q_heads, kv_heads, head_dim)
+    got_q = kernels.rope_write_kv(qkv, cos, sin, caches[2], caches[3], slot_ids, q_heads, kv_heads, head_dim)
+    _assert_fp32_close(got_q, want_q)
+    for got, want in ((caches[2], caches[0]), (caches[3], caches[1])):
+        assert torch.equal(got.isnan(), want.isnan()), "only the given slots are written"
+        _assert_fp32_close(got.nan_to_num(), want.nan_to_num())
+
+
+def test_rope_write_kv_refuses_a_width_that_is_not_the_heads():
+    qkv = torch.randn(2, 1, 100, device=DEVICE)
+    cos = torch.randn(2, 1, 16, device=DEVICE)
+    cache = torch.zeros(2, 4, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="qkv of width"):
+        kernels.rope_write_kv(qkv, cos, cos, cache, cache, torch.zeros(2, 1, dtype=torch.long, device=DEVICE), 4, 2,
+                              16)
+
+
+def test_llama_layers_fuse_and_the_others_keep_their_forward():
+    llama = tiny_model("llama")
+    with fused_draft_layers(llama, cache=None) as fused:
+        assert fused == llama.config.num_hidden_layers
+        assert all("forward" in vars(layer) for layer in llama.model.layers)
+    assert not any("forward" in vars(m) for m in llama.modules()), "every instance forward must be removed"
+    # q/k norms (Qwen3), a sliding-window argument (Mistral), latent attention: other code, their own forward.
+    for arch in ("qwen3", "mistral", "deepseek_v3"):
+        with fused_draft_layers(tiny_model(arch), cache=None) as fused:
+            assert fused == 0, arch
+    hooked = tiny_model("llama")
+    hooked.model.layers[1].post_attention_layernorm.register_forward_hook(lambda *args: None)
+    assert layer_parts(hooked.model.layers[1]) is None and layer_parts(hooked.model.layers[0]) is not None
+    hooked.model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(64))
+    assert layer_parts(hooked.model.layers[0]) is None, "an output bias is not in the fused layer"
+
+
+def test_the_model_is_restored_after_an_exception():
+    model = tiny_model("llama")
+    with pytest.raises(RuntimeError, match="inside"):
+        with fused_draft_layers(model, cache=None):
+            raise RuntimeError("inside")
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_a_fused_draft_step_computes_what_the_model_s_layers_compute():
+    """One draft step over the same cache and selection, through the model's own layers and through the fused ones:
+    the same logits (fp32, up to summation order) and the same keys and values written."""
+    model = tiny_model("llama").to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
+    config = VegasConfig(gamma=2, sparsity=0.3, min_tokens=4, backend="triton", cuda_graphs=False)
+    cache = VegasCache(model.config, 2, 40, config, device=DEVICE, backend="triton")
+    runner = StepRunner(model, cache, LogitsProcessorList(), do_sample=False)
+    token = torch.tensor([5, 9], device=DEVICE)
+    with torch.no_grad(), vegas_attention(model), active_cache(cache):
+        runner.prefill(ids, left_pad=(mask == 0).sum(dim=1))
+        committed = cache.lengths.clone()
+        cache.begin("draft")
+        want = runner.call_model(token[:, None], 1)
+        written = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        cache.rollback(committed)
+        for layer in cache.layers:  # the fused step must write the slot itself
+            rows = torch.arange(2, device=DEVICE)
+            layer.keys[rows, committed] = NAN
+            layer.values[rows, committed] = NAN
+        with fused_draft_layers(model, cache) as fused:
+            assert fused == model.config.num_hidden_layers
+            cache.begin("draft")
+            got = runner.call_model(token[:, None], 1)
+    _assert_fp32_close(got, want)
+    for layer, (keys, values) in zip(cache.layers, written):
+        _assert_fp32_close(layer.keys, keys)
+        _assert_fp32_close(layer.values, values)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_generation_with_fused_draft_layers_accepts_what_the_model_s_layers_accept(monkeypatch, do_sample):
+    """In fp32 the fused drafts differ from the model's own by rounding only: greedy accepts the same drafts, and
+    sampling with one seed draws the same tokens (the draft probabilities it uses are the fused drafts' own).
+    Greedy tokens against vanilla, through the fused layers: `test_triton_backend.py` (llama)."""
+    calls = []
+    original = kernels.rope_write_kv
+    monkeypatch.setattr(kernels, "rope_write_kv", lambda *args: calls.append(1) or original(*args))
+    model = tiny_model("llama").to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in ragged_batch([30, 21]))
+    common = dict(attention_mask=mask, max_new_tokens=8, do_sample=do_sample, pad_token_id=0, top_k=0,
+                  custom_generate="vegas", vegas_backend="triton", vegas_cuda_graphs=False, vegas_gamma=3,
+                  vegas_sparsity=0.3, vegas_min_tokens=4, return_dict_in_generate=True)
+    torch.manual_seed(3)
+    fused = model.generate(ids, **common)
+    assert calls, "the draft steps ran the fused layers"
+    calls.clear()
+    torch.manual_seed(3)
+    plain = model.generate(ids, **common, vegas_fuse_projections=False)
+    assert not calls
+    assert torch.equal(fused.sequences, plain.sequences)
+    assert torch.equal(fused.accepted, plain.accepted)
+    assert not any("forward" in vars(m) for m in model.modules())
