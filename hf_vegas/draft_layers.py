@@ -1,16 +1,18 @@
-"""Fused draft layers: a standard pre-norm decoder layer (Llama and its kin) as six launches in a draft step.
+"""Fused draft layers: a standard pre-norm decoder layer (Llama and its kin) in fewer, fuller launches in draft steps.
 
 A SmolLM2 draft step at batch 64 is bound by its launch count, not its bytes (`benchmarks/profile_forward.py`):
 even compiled, each layer is eleven kernels of 1-4 us (add + norm, q/k/v, two rotary halves, the cache write, the
 sparse attention, the output projection, add + norm, gate/up, down, add). In draft steps a layer whose code is
 exactly Llama's runs instead as
 
-    q/k/v projection with the input RMSNorm folded in       hf_vegas_kernels.grouped_linear(norm_weight=...)
+    input RMSNorm                                           hf_vegas_kernels.rms_norm
+    q/k/v projection                                        hf_vegas_kernels.grouped_linear
     rotary embedding of q and k + cache write of k and v    hf_vegas_kernels.rope_write_kv
     sparse draft attention                                  hf_vegas_kernels.sparse_draft_attention
-    output projection + residual                            torch.addmm (one cuBLAS call)
-    gate/up projection + activation, post-attention norm    hf_vegas_kernels.gated_linear(norm_weight=...)
-    down projection + residual                              torch.addmm
+    residual + output projection                            torch.addmm (cuBLAS: a copy of the residual + the GEMM)
+    post-attention RMSNorm                                  hf_vegas_kernels.rms_norm
+    gate/up projection + activation                         hf_vegas_kernels.gated_linear
+    residual + down projection                              Tensor.addmm_ (in place: the GEMM alone)
 
 Drafts only decide how many tokens are accepted, never which (the verification, with the model's own layers, picks
 every token; sampling uses the drafts' real probabilities), so this rounding is free to differ from the model's.
@@ -142,7 +144,7 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
     kernels = backend.kernels()
     batch, tokens, hidden = hidden_states.shape
     x = hidden_states.reshape(batch * tokens, hidden)
-    qkv = kernels.grouped_linear(x, parts.qkv, parts.qkv_bias, norm_weight=parts.norm_in, eps=parts.eps_in)
+    qkv = kernels.grouped_linear(kernels.rms_norm(x, parts.norm_in, parts.eps_in), parts.qkv, parts.qkv_bias)
     cache.begin_layer(parts.layer_idx, tokens)
     store = cache.layers[parts.layer_idx]
     cos, sin = (t.contiguous() for t in position_embeddings)
@@ -152,9 +154,10 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
         q.transpose(1, 2), store.keys, store.values, cache.query_slots, cache.attend_lengths,
         cache.sel_idx[parts.layer_idx], cache.sel_count, cache.sel_end, parts.scaling, list_len=cache.draft_list_len,
     )
+    # The layer's input belongs to the caller: the first residual sum is a new tensor, the second adds in place.
     x = torch.addmm(x, attn.reshape(batch * tokens, -1), parts.o_weight.t())
-    gated = kernels.gated_linear(x, parts.gate, parts.up, parts.act, norm_weight=parts.norm_post, eps=parts.eps_post)
-    return torch.addmm(x, gated, parts.down.t()).view(batch, tokens, hidden)
+    gated = kernels.gated_linear(kernels.rms_norm(x, parts.norm_post, parts.eps_post), parts.gate, parts.up, parts.act)
+    return x.addmm_(gated, parts.down.t()).view(batch, tokens, hidden)
 
 
 @contextlib.contextmanager

@@ -31,25 +31,28 @@ def _assert_fp32_close(got, want):
 
 
 @pytest.mark.parametrize("rows", [1, 7, 70])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_projections_with_the_norm_folded_in_match_reference(rows, with_bias, poison):
-    gen = torch.Generator().manual_seed(rows)
-    x = (3 * torch.randn(rows, 96, generator=gen) + 1).to(DEVICE)  # far from unit RMS: the norm matters
-    norm = torch.rand(96, generator=gen).to(DEVICE) + 0.5
-    weights = [torch.randn(n, 96, generator=gen).to(DEVICE) / 8 for n in (80, 48, 16)]
-    biases = [torch.randn(n, generator=gen).to(DEVICE) for n in (80, 48, 16)] if with_bias else None
-    want = reference.grouped_linear(x, weights, biases, norm_weight=norm, eps=1e-5)
-    assert not torch.allclose(want, reference.grouped_linear(x, weights, biases), atol=1e-2), "the norm must matter"
-    _assert_fp32_close(kernels.grouped_linear(x, weights, biases, norm_weight=norm, eps=1e-5), want)
-    gate, up = (torch.randn(48, 96, generator=gen).to(DEVICE) / 8 for _ in range(2))
-    _assert_fp32_close(kernels.gated_linear(x, gate, up, "silu", norm_weight=norm, eps=1e-5),
-                       reference.gated_linear(x, gate, up, "silu", norm_weight=norm, eps=1e-5))
+@pytest.mark.parametrize("width", [96, 100])
+def test_rms_norm_matches_reference(rows, width, poison):
+    gen = torch.Generator().manual_seed(rows + width)
+    x = (3 * torch.randn(2, rows, width, generator=gen) + 1).to(DEVICE)  # far from unit RMS: the scale matters
+    weight = (torch.rand(width, generator=gen) + 0.5).to(DEVICE)
+    _assert_fp32_close(kernels.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+
+
+def test_rms_norm_matches_transformers_llama_norm():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(48, eps=1e-6).to(DEVICE)
+    torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    x = torch.randn(5, 48, device=DEVICE) * 4
+    with torch.no_grad():
+        _assert_fp32_close(kernels.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+        _assert_fp32_close(reference.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
 
 
 def test_a_norm_weight_of_the_wrong_shape_is_refused():
-    x = torch.randn(3, 32, device=DEVICE)
-    with pytest.raises(ValueError, match="norm_weight must be a contiguous \\(32,\\) vector"):
-        kernels.grouped_linear(x, [torch.randn(16, 32, device=DEVICE)], norm_weight=torch.ones(16, device=DEVICE))
+    with pytest.raises(ValueError, match="weight must be a contiguous \\(32,\\) vector"):
+        kernels.rms_norm(torch.randn(3, 32, device=DEVICE), torch.ones(16, device=DEVICE), 1e-6)
 
 
 @pytest.mark.parametrize("tokens", [1, 3])

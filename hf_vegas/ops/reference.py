@@ -160,10 +160,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (normed * weight.float()).to(x.dtype)
 
 
-def grouped_linear(x: torch.Tensor, weights, biases=None, norm_weight=None, eps: float = 1e-6) -> torch.Tensor:
-    """The outputs of several projections of one input (RMS-normalised first, with `norm_weight`), concatenated on
-    the last dimension."""
-    x = x if norm_weight is None else rms_norm(x, norm_weight, eps)
+def grouped_linear(x: torch.Tensor, weights, biases=None) -> torch.Tensor:
+    """The outputs of several projections of one input, concatenated on the last dimension."""
     biases = biases if biases is not None else [None] * len(weights)
     return torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
 
@@ -174,10 +172,8 @@ GATED_ACTIVATIONS = {
 }
 
 
-def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: str, norm_weight=None,
-                 eps: float = 1e-6) -> torch.Tensor:
-    """A gated MLP's first half: `act(x @ w_gate.T) * (x @ w_up.T)` (of the RMS-normalised `x`, with `norm_weight`)."""
-    x = x if norm_weight is None else rms_norm(x, norm_weight, eps)
+def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: str) -> torch.Tensor:
+    """A gated MLP's first half: `act(x @ w_gate.T) * (x @ w_up.T)`."""
     linear = torch.nn.functional.linear
     return GATED_ACTIVATIONS[act](linear(x, w_gate)) * linear(x, w_up)
 

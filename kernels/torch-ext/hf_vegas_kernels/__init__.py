@@ -1,12 +1,13 @@
 """hf_vegas_kernels: the Triton kernels of hf_vegas (sparse draft attention, verification attention with fused
-Collect-2-Query logits, top-k selection, top-p filtering, the cache write, one-launch decode projections (optionally
-with the RMSNorm folded in), the rotary embedding with the cache write). Each one reproduces an op of `hf_vegas.ops.reference`.
+Collect-2-Query logits, top-k selection, top-p filtering, the cache write, one-launch decode projections, RMSNorm,
+the rotary embedding with the cache write). Each one reproduces an op of `hf_vegas.ops.reference`.
 
 Installed with hf_vegas under this name, never as a top-level `kernels` module (that name is HF's `kernels` library).
 """
 
 from .cache_write import write_kv
 from .linear import gated_linear, gated_linear_op, grouped_linear, qkv_linear
+from .norm import rms_norm
 from .ops import dense_attention, sparse_draft_attention, verify_attention
 from .rotary import rope_write_kv
 from .scores import finalize_scores
@@ -14,4 +15,5 @@ from .select import select_topk
 from .top_p import top_p_filter
 
 __all__ = ["dense_attention", "finalize_scores", "gated_linear", "gated_linear_op", "grouped_linear", "qkv_linear",
-           "rope_write_kv", "select_topk", "sparse_draft_attention", "top_p_filter", "verify_attention", "write_kv"]
+           "rms_norm", "rope_write_kv", "select_topk", "sparse_draft_attention", "top_p_filter", "verify_attention",
+           "write_kv"]

@@ -6,9 +6,7 @@ its draft step. These kernels read the separate weight matrices of one layer in 
 weights is made, so the model is untouched and no memory is added):
 
 - `grouped_linear(x, (w0, w1, w2), biases)` = `cat([x @ w0.T + b0, x @ w1.T + b1, x @ w2.T + b2], -1)`;
-- `gated_linear(x, w_gate, w_up, act)` = `act(x @ w_gate.T) * (x @ w_up.T)`, `act` "silu" or "gelu_tanh";
-- either with `norm_weight`: of `rms_norm(x)` instead of `x`, the norm folded into the same launch (a fused draft
-  layer, `hf_vegas.draft_layers`, needs no separate norm kernel).
+- `gated_linear(x, w_gate, w_up, act)` = `act(x @ w_gate.T) * (x @ w_up.T)`, `act` "silu" or "gelu_tanh".
 
 (A single small projection in one such launch is no faster than cuBLAS: SmolLM2's output and down projections at 64
 rows took 3.3 and 5.0 us against cuBLAS' 3.6 and 5.0, `benchmarks/projections.py --sweep`, so they stay on cuBLAS.)
@@ -41,32 +39,23 @@ def _activate(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _tile(X, W, NormW, rows, cols, m_ok, n_ok, K, eps, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, HAS_NORM: tl.constexpr):
+def _tile(X, W, rows, cols, m_ok, n_ok, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    sum_sq = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if HAS_NORM:
-            # RMSNorm folded in: norm(x) @ W^T = rsqrt(mean(x^2) + eps) * ((x * w_norm) @ W^T), the row's scale
-            # applied once after the K loop (every program reads the whole row anyway).
-            xf = x.to(tl.float32)
-            sum_sq += tl.sum(xf * xf, axis=1)
-            x = (xf * tl.load(NormW + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
         w = tl.load(W + cols[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
-    if HAS_NORM:
-        acc = acc * tl.rsqrt(sum_sq / K + eps)[:, None]
     return acc
 
 
 @triton.jit
 def _grouped_linear(
-    X, W0, W1, W2, B0, B1, B2, NormW, Out, M, K, N0, N1, N2, eps,
+    X, W0, W1, W2, B0, B1, B2, Out, M, K, N0, N1, N2,
     stride_xm, stride_w0, stride_w1, stride_w2, stride_om,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     n_start = tl.program_id(0) * BLOCK_N  # in the concatenated output (gated: in the gate's columns)
@@ -75,10 +64,8 @@ def _grouped_linear(
     out_cols = n_start + tl.arange(0, BLOCK_N)
     if GATED:
         n_ok = out_cols < N0
-        gate = _tile(X, W0, NormW, rows, out_cols, m_ok, n_ok, K, eps, stride_xm, stride_w0, BLOCK_M, BLOCK_N,
-                     BLOCK_K, PRECISION, HAS_NORM)
-        up = _tile(X, W1, NormW, rows, out_cols, m_ok, n_ok, K, eps, stride_xm, stride_w1, BLOCK_M, BLOCK_N,
-                   BLOCK_K, PRECISION, HAS_NORM)
+        gate = _tile(X, W0, rows, out_cols, m_ok, n_ok, K, stride_xm, stride_w0, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        up = _tile(X, W1, rows, out_cols, m_ok, n_ok, K, stride_xm, stride_w1, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
         result = _activate(gate, ACT) * up
     else:
         # Which weight this tile reads: segments are multiples of BLOCK_N, so a tile never straddles two.
@@ -90,8 +77,7 @@ def _grouped_linear(
             W, B, stride_w, start, size = W2, B2, stride_w2, N0 + N1, N2
         cols = out_cols - start
         n_ok = cols < size
-        result = _tile(X, W, NormW, rows, cols, m_ok, n_ok, K, eps, stride_xm, stride_w, BLOCK_M, BLOCK_N, BLOCK_K,
-                       PRECISION, HAS_NORM)
+        result = _tile(X, W, rows, cols, m_ok, n_ok, K, stride_xm, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
         if HAS_BIAS:
             result += tl.load(B + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(Out + rows[:, None] * stride_om + out_cols[None, :], result.to(Out.dtype.element_ty),
@@ -126,9 +112,8 @@ def _setting(kind: str, rows: int, sizes: list[int], element_bytes: int) -> dict
     return setting
 
 
-def _launch_linear(kind, x2, weights, biases, out, act=0, norm=None):
-    """One launch of `_grouped_linear` over 1 to 3 weights (gated: gate and up) into `out`; `norm`: `(weight, eps)`
-    of an RMSNorm applied to `x2` first."""
+def _launch_linear(kind, x2, weights, biases, out, act=0):
+    """One launch of `_grouped_linear` over 1 to 3 weights (gated: gate and up) into `out`."""
     sizes = [w.shape[0] for w in weights]
     setting = _setting(kind, x2.shape[0], sizes, x2.element_size())
     # Triton's CPU interpreter (tests) pays per program: there the widest column block that fits, not the GPU's.
@@ -140,11 +125,10 @@ def _launch_linear(kind, x2, weights, biases, out, act=0, norm=None):
     has_bias = biases is not None and biases[0] is not None
     bias = (list(biases) if has_bias else [x2] * len(weights)) + [x2] * (3 - len(weights))
     _grouped_linear[(triton.cdiv(out_cols, block_n), triton.cdiv(x2.shape[0], setting["block_m"]))](
-        x2, *padded, *bias, x2 if norm is None else norm[0], out, x2.shape[0], x2.shape[1],
-        *(sizes + [0] * (3 - len(sizes))), 0.0 if norm is None else float(norm[1]),
+        x2, *padded, *bias, out, x2.shape[0], x2.shape[1], *(sizes + [0] * (3 - len(sizes))),
         x2.stride(0), *(w.stride(0) for w in padded), out.stride(0),
-        HAS_BIAS=has_bias, GATED=gated, ACT=act, HAS_NORM=norm is not None, BLOCK_M=setting["block_m"],
-        BLOCK_N=block_n, BLOCK_K=setting["block_k"], PRECISION=_launch.dot_precision(x2.dtype),
+        HAS_BIAS=has_bias, GATED=gated, ACT=act, BLOCK_M=setting["block_m"], BLOCK_N=block_n,
+        BLOCK_K=setting["block_k"], PRECISION=_launch.dot_precision(x2.dtype),
         num_warps=setting["num_warps"], num_stages=setting["num_stages"],
     )
     return out
@@ -155,31 +139,20 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _norm(norm_weight, eps, x: torch.Tensor):
-    if norm_weight is None:
-        return None
-    if norm_weight.shape != (x.shape[-1],) or norm_weight.stride(-1) != 1:
-        raise ValueError(f"norm_weight must be a contiguous ({x.shape[-1]},) vector, got {tuple(norm_weight.shape)}")
-    return norm_weight, eps
-
-
-def grouped_linear(x: torch.Tensor, weights, biases=None, norm_weight=None, eps: float = 1e-6) -> torch.Tensor:
-    """`cat([x @ w.T (+ b) for w, b in zip(weights, biases)], -1)` for 1 to 3 weights `(N_i, K)`. `x` `(..., K)`.
-    With `norm_weight` `(K,)`, `x` is first RMS-normalised (`x * rsqrt(mean(x^2) + eps) * norm_weight`)."""
+def grouped_linear(x: torch.Tensor, weights, biases=None) -> torch.Tensor:
+    """`cat([x @ w.T (+ b) for w, b in zip(weights, biases)], -1)` for 1 to 3 weights `(N_i, K)`. `x` `(..., K)`."""
     weights = list(weights)
     sizes = [w.shape[0] for w in weights]
     if block_n_for(*sizes) is None or not 1 <= len(weights) <= 3:
         raise ValueError(f"grouped_linear: 1 to 3 weights whose sizes share a block of 16, got {sizes}")
     x2 = _rows(x)
     out = _launch.empty(x2.shape[0], sum(sizes), dtype=x.dtype, device=x.device)
-    _launch_linear("qkv" if len(weights) > 1 else "linear", x2, weights, biases, out, norm=_norm(norm_weight, eps, x))
+    _launch_linear("qkv" if len(weights) > 1 else "linear", x2, weights, biases, out)
     return out.reshape(*x.shape[:-1], sum(sizes))
 
 
-def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: str, norm_weight=None,
-                 eps: float = 1e-6) -> torch.Tensor:
-    """`act(x @ w_gate.T) * (x @ w_up.T)`, `act` in "silu", "gelu_tanh". `x` `(..., K)`, weights `(N, K)`; with
-    `norm_weight`, of the RMS-normalised `x` (as `grouped_linear`)."""
+def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: str) -> torch.Tensor:
+    """`act(x @ w_gate.T) * (x @ w_up.T)`, `act` in "silu", "gelu_tanh". `x` `(..., K)`, weights `(N, K)`."""
     if act not in ACTIVATIONS:
         raise ValueError(f"gated_linear: act must be one of {list(ACTIVATIONS)}, got {act!r}")
     size = w_gate.shape[0]
@@ -189,7 +162,7 @@ def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act:
         )
     x2 = _rows(x)
     out = _launch.empty(x2.shape[0], size, dtype=x.dtype, device=x.device)
-    _launch_linear("gated", x2, [w_gate, w_up], None, out, act=ACTIVATIONS[act], norm=_norm(norm_weight, eps, x))
+    _launch_linear("gated", x2, [w_gate, w_up], None, out, act=ACTIVATIONS[act])
     return out.reshape(*x.shape[:-1], size)
 
 
