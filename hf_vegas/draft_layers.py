@@ -39,6 +39,7 @@ from .fused_projections import MAX_ROWS, _gated_mlp_activation, _plain_linears, 
 from .ops import backend
 
 
+@functools.lru_cache(maxsize=256)  # asked for every layer of every generate call: read each function's file once
 def _source(function) -> str | None:
     try:
         return "".join(inspect.getsource(function).split())
