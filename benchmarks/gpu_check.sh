@@ -16,8 +16,8 @@ if [ -z "${NO_PROFILE:-}" ]; then
     for decoding in greedy sample; do
         extra=""
         [ "$decoding" = sample ] && extra=--sample
-        timeout "${PROFILE_S:-200}" python3 benchmarks/profile_forward.py --random-weights --compile $extra --trace "$OUT/$decoding" \
-            --new-tokens 32 --top 14 > "$OUT/$decoding.txt" 2>&1
+        timeout "${PROFILE_S:-200}" python3 benchmarks/profile_forward.py --random-weights --compile $extra \
+            --trace "$OUT/$decoding" --new-tokens 32 --top 14 > "$OUT/$decoding.txt" 2>&1
     done
 fi
 tail -25 "$OUT/tests.txt"

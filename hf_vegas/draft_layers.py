@@ -3,7 +3,7 @@
 A SmolLM2 draft step at batch 64 is bound by its launch count, not its bytes (`benchmarks/profile_forward.py`):
 even compiled, each layer is eleven kernels of 1-4 us (add + norm, q/k/v, two rotary halves, the cache write, the
 sparse attention, the output projection, add + norm, gate/up, down, add). In draft steps a layer whose code is
-exactly Llama's runs instead as
+exactly Llama's runs instead as eight calls, nine kernels:
 
     input RMSNorm                                           hf_vegas_kernels.rms_norm
     q/k/v projection                                        hf_vegas_kernels.grouped_linear
@@ -131,9 +131,11 @@ def layer_parts(layer) -> _Parts | None:
 
 def _applies(parts: _Parts, cache, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> bool:
     """Whether this forward is a draft step the fused layer runs: a one-token sparse draft of at most `MAX_ROWS`
-    rows, in the weights' dtype, without autocast (anything else runs the model's own forward)."""
+    rows, in the weights' dtype, without autocast, with per-row rotary factors over the whole head (anything else
+    runs the model's own forward)."""
     return (not args and cache is not None and kwargs.get("past_key_values") is cache and cache.mode == "draft"
             and kwargs.get("position_embeddings") is not None
+            and kwargs["position_embeddings"][0].shape == (hidden_states.shape[0], 1, parts.head_dim)
             and not cache.layers[parts.layer_idx].is_sliding and cache.layers[parts.layer_idx].is_initialized
             and hidden_states.dim() == 3 and hidden_states.shape[1] == 1 and hidden_states.shape[0] <= MAX_ROWS
             and hidden_states.dtype == parts.o_weight.dtype
