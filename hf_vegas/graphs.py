@@ -70,7 +70,15 @@ _WARM, _COMPILED = object(), object()
 
 
 class StepGraphs:
-    """The captured steps of one `VegasCache`. Graphs share one memory pool: their steps never overlap.
+    """The captured steps of one `VegasCache`, each in a memory pool of its own.
+
+    A shared pool would be safe only if the graphs were captured in the order they replay: the memory a graph frees
+    during its capture (its intermediates) may hold the outputs of a graph captured after it, and each replay of the
+    earlier graph writes over them. A later `generate` call of the same bucket breaks that order: sampling after
+    greedy decoding captures its draft step after the verification that both share, and the verification then
+    overwrote the drafts and their scores before the acceptance read them (seen on an H100 as out-of-range draft
+    tokens, and as every draft accepted). Private pools cost each graph its own intermediates (the peak memory of
+    `benchmarks/throughput.py` records includes them) and keep every output intact until its own graph replays.
 
     A step is a function of tensors that returns a tensor or a tuple of them: a single forward (verify, dense
     decode), the gamma forwards of a draft with their token choices, or the acceptance of a verification.
@@ -86,7 +94,6 @@ class StepGraphs:
     def __init__(self, compile: bool = False):
         self.compile = compile
         self.compiling = False  # True while a step runs for its compilation or its capture
-        self.pool = None  # made at the first capture
         self._steps: dict[tuple, object] = {}
         self._outputs: set[int] = set()  # ids of the captured steps' output tensors (static, alive with their step)
         self.disabled_reason: str | None = None
@@ -137,10 +144,8 @@ class StepGraphs:
     def _capture(self, key: tuple, step, inputs: tuple) -> _Captured | None:
         static = tuple(t if t is None or id(t) in self._outputs else t.clone() for t in inputs)
         try:
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with self._compiling(), torch.cuda.graph(graph, pool=self.pool):
+            with self._compiling(), torch.cuda.graph(graph):  # a private pool: see the class docstring
                 outputs = step(*static)
         except Exception as error:  # noqa: BLE001  (any op of any model may refuse capture; eager always works)
             self.disabled_reason = f"capturing the {key[0]} step failed ({type(error).__name__}: {error})"

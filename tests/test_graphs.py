@@ -152,6 +152,40 @@ def test_graphs_replayed_by_a_later_call_follow_its_settings():
     assert _pooled_graphs(model).replays > 0
 
 
+def _sampling_after_greedy(model, ids, mask):
+    """(sampling run alone, the same sampling run after a greedy call of the same bucket), one seed."""
+    sampling = dict(vegas_gamma=4, do_sample=True, temperature=0.6, top_p=0.95)
+    torch.manual_seed(5)
+    alone = _generate(model, ids, mask, **sampling).sequences
+    graphs.release_graphs(model)
+    _generate(model, ids, mask, vegas_gamma=4, do_sample=False)  # captures draft, verify and acceptance for greedy
+    torch.manual_seed(5)
+    return alone, _generate(model, ids, mask, **sampling).sequences  # reuses the verify graph, captures the rest
+
+
+@needs_gpu
+def test_sampling_after_greedy_reads_intact_drafts():
+    """Sampling after a greedy call of the same bucket captures its draft step after the verification graph that both
+    share. In one shared memory pool the verification's intermediates overwrote those drafts and their scores (an
+    H100 run at batch 64 hit out-of-range draft tokens, another accepted every draft): each graph has its own."""
+    model = tiny_model("llama", seed=4).cuda()
+    ids, mask = (t.cuda() for t in ragged_batch([90, 71, 64], seed=4))
+    alone, after_greedy = _sampling_after_greedy(model, ids, mask)
+    torch.testing.assert_close(after_greedy, alone, rtol=0, atol=0)
+    steps = _pooled_graphs(model)
+    assert steps.captures == 5, "greedy's three graphs, then sampling's draft and acceptance (verify is shared)"
+    pools = [state.graph.pool() for state in steps._steps.values() if isinstance(state, graphs._Captured)]
+    assert len(set(pools)) == len(pools) == 5, "every captured step must own its memory pool"
+
+
+def test_sampling_after_greedy_through_the_pool_on_cpu(pooled_on_cpu):
+    """CPU counterpart: the same calls through the pooled cache (captures fail, steps run eagerly) draw the tokens of
+    a sampling run alone."""
+    model = tiny_model("llama", seed=4)
+    alone, after_greedy = _sampling_after_greedy(model, *ragged_batch([90, 71, 64], seed=4))
+    torch.testing.assert_close(after_greedy, alone, rtol=0, atol=0)
+
+
 @needs_gpu
 def test_graphs_are_reused_across_calls_and_recaptured_when_weights_move():
     model = tiny_model("llama").cuda()
@@ -217,7 +251,7 @@ def pooled_on_cpu(monkeypatch):
     def no_cuda():
         raise RuntimeError("no CUDA graphs for a CPU model")
 
-    monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", no_cuda)
+    monkeypatch.setattr(graphs.torch.cuda, "CUDAGraph", no_cuda)
 
 
 def test_pooled_cache_restarts_cleanly_and_a_failed_capture_falls_back(pooled_on_cpu, caplog):
