@@ -136,15 +136,20 @@ def _draft_time(q1, caches, slot1, kv_len, context, batch, scaling) -> float:
 
 def sweep(name, batch, context, dtype, bandwidth, base, write, draft_only=False):
     """Time draft, dense and verify(+logits) (or the draft alone) under every launch setting of a grid, set into
-    `_launch.TUNING` (waves 0: one split per (row, KV head), no combine launch)."""
+    `_launch.TUNING` (waves 0: one split per (row, KV head), no combine launch; `fused_combine`: the last split
+    merges the others in the kernel, no combine launch either)."""
     from itertools import product
 
     from hf_vegas_kernels import _launch
 
     default = {kind: dict(values) for kind, values in _launch.TUNING.items()}
     try:
-        for block_n, warps, stages, waves in product([32, 64, 128], [2, 4, 8], [2, 3], [0, 1, 2, 4, 8]):
-            setting = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves}
+        grid = product([32, 64, 128], [2, 4, 8], [2, 3], [0, 1, 2, 4, 8], [False, True])
+        for block_n, warps, stages, waves, fused in grid:
+            if waves == 0 and fused:  # one split has nothing to merge
+                continue
+            setting = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves,
+                       "fused_combine": fused}
             for kind in ["sparse"] if draft_only else _launch.TUNING:  # sparse and dense lists alike
                 _launch.TUNING[kind] = dict(setting)
             times = bench_shape(name, batch, context, dtype, bandwidth, base, lambda record: None,
@@ -153,6 +158,23 @@ def sweep(name, batch, context, dtype, bandwidth, base, write, draft_only=False)
                    "op": "sweep", **{f"{op}_us": t * 1e6 for op, t in times.items()}})
     finally:
         _launch.TUNING.update(default)
+
+
+def _apply_tuning(overrides: list[str]) -> dict:
+    """Set `KIND:KEY=VALUE` overrides into `_launch.TUNING` (values are ints, or floats); returns them as a dict."""
+    from hf_vegas_kernels import _launch
+
+    tables = {**_launch.TUNING, "select": _launch.SELECT_TUNING}
+    applied = {}
+    for item in overrides:
+        kind, _, setting = item.partition(":")
+        key, _, value = setting.partition("=")
+        if kind not in tables or not key or not value:
+            raise SystemExit(f"--tuning {item!r}: expected KIND:KEY=VALUE with KIND one of {sorted(tables)}")
+        number = float(value)
+        tables[kind][key] = int(number) if number.is_integer() else number
+        applied[f"{kind}:{key}"] = tables[kind][key]
+    return applied
 
 
 def main() -> None:
@@ -164,18 +186,22 @@ def main() -> None:
     parser.add_argument("--max-gib", type=float, default=40.0, help="skip configurations whose cache exceeds this")
     parser.add_argument("--sweep", action="store_true", help="sweep the attention kernel's launch settings instead")
     parser.add_argument("--draft-only", action="store_true", help="with --sweep: the sparse draft attention only")
+    parser.add_argument("--tuning", nargs="+", default=[], metavar="KIND:KEY=VALUE",
+                        help="override a launch setting for this run, e.g. verify:fused_combine=1 sparse:waves=4 "
+                             "select:num_warps=4 (recorded with the results)")
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.jsonl"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernel_bandwidth.py needs a CUDA GPU.")
     dtype = getattr(torch, args.dtype)
+    overrides = _apply_tuning(args.tuning)
     bandwidth = copy_bandwidth()
     base = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "transformers": transformers.__version__, "hf_vegas": hf_vegas.__version__,
             "commit": args.commit or commit(), "dirty": dirty(), "dtype": args.dtype, "gamma": GAMMA,
             "sparsity": SPARSITY, "min_tokens": MIN_TOKENS, "copy_bandwidth_GBps": bandwidth / 1e9,
-            "read_bandwidth_GBps": read_bandwidth() / 1e9}
+            "read_bandwidth_GBps": read_bandwidth() / 1e9, "tuning_overrides": overrides}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     records = []
 

@@ -157,14 +157,54 @@ def test_one_split_writes_what_the_combine_would(monkeypatch, head_dim, q_heads,
     _assert_close(lse, split_lse, torch.float32)
 
 
-@pytest.mark.parametrize("waves", [0, 8])  # one split writing its result, or splits and the combine
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", [HEADS[1], HEADS[3]])
-def test_sinks_in_every_kernel(monkeypatch, head_dim, q_heads, kv_heads, waves):
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_the_last_split_merges_in_the_kernel(monkeypatch, head_dim, q_heads, kv_heads, tokens):
+    """`fused_combine`: the last split of each (row, KV head) merges the others' states in the kernel. Every kind
+    against the reference, the log-sum-exp equal to the combine launch's, and the tickets zero again after each launch
+    (a second round reuses them)."""
+    case = make_case(LENGTHS, [tokens + 1] * 3, tokens, head_dim, q_heads, kv_heads, seed=17)
+    sparse_ok, dense_ok = sparse_readable(case), dense_readable(case)
+    rows = torch.tensor(sorted({0, tokens - 1}), device=DEVICE)
+    args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
+
+    def run(fused):
+        for kind in ("sparse", "dense", "verify"):
+            monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], "waves": 8, "block_n": 16,
+                                                       "fused_combine": fused})
+        draft = kernels.sparse_draft_attention(case.q, poisoned(case.k, sparse_ok), poisoned(case.v, sparse_ok),
+                                               *args)
+        dense = kernels.dense_attention(case.q, poisoned(case.k, dense_ok), poisoned(case.v, dense_ok),
+                                        case.q_slot, case.kv_len, case.scaling)
+        verify = kernels.verify_attention(case.q, poisoned(case.k, dense_ok), poisoned(case.v, dense_ok),
+                                          case.q_slot, case.kv_len, case.scaling, rows, "weights")
+        return draft, dense, verify
+
+    launched = run(fused=False)
+    for _ in range(2):
+        draft, dense, (out, emitted, lse) = run(fused=True)
+        assert not _launch.tickets(1, case.q.device).any(), "the kernel must leave its tickets at zero"
+        _assert_close(draft, reference.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
+        expected = reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling)
+        _assert_close(dense, expected, torch.float32)
+        _assert_close(out, expected, torch.float32)
+        _assert_close(lse, launched[2][2], torch.float32)
+        got = kernels.finalize_scores(emitted, lse, rows, case.sel_end, q_heads, True, mean_rows=False)
+        want = _expected_scores(case, rows, "weights", None)
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+        _assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)], torch.float32)
+
+
+# one split writing its result, splits and the combine launch, splits merged by the last one in the kernel
+@pytest.mark.parametrize("waves,fused", [(0, False), (8, False), (8, True)])
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", [HEADS[1], HEADS[3]])
+def test_sinks_in_every_kernel(monkeypatch, head_dim, q_heads, kv_heads, waves, fused):
     """gpt-oss' per-head sink logits: draft, dense (also windowed) and verify kernels against the reference, and the
     verification's softmax-weight scores against the reference's weights with the sinks in their denominators."""
     sinks = torch.linspace(-2.0, 3.0, q_heads, device=DEVICE)
     for kind in ("sparse", "dense", "verify"):
-        monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], "waves": waves, "block_n": 16})
+        monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], "waves": waves, "block_n": 16,
+                                                   "fused_combine": fused})
     tokens = 4
     case = make_case(LENGTHS, [tokens + 1] * 3, tokens, head_dim, q_heads, kv_heads, seed=13)
     readable = sparse_readable(case)

@@ -41,6 +41,10 @@ LINEAR_TUNING = {
 LINEAR_SHARED_BYTES = 160 << 10
 LINEAR_TUNED_ROWS = 64
 
+# Warps per program of the in-register top-k selection (`select.py`, one program per (layer, row)); 0: 16 for rows
+# longer than 8K slots, else 8. The benchmark overrides it to sweep.
+SELECT_TUNING = {"num_warps": 0}
+
 # Under TRITON_INTERPRET=1 on the CPU there are no SMs; split as if a small GPU, so split-K paths are exercised.
 _CPU_PROGRAMS = 4
 
@@ -54,6 +58,23 @@ def device_sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return _CPU_PROGRAMS
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def tickets(count: int, device: torch.device) -> torch.Tensor:
+    """At least `count` zeroed int32 counters for a kernel whose last program to finish a unit of work merges the
+    others' results; the kernel leaves them zero again, so one buffer per device serves every launch (kernels of one
+    stream run one at a time). A buffer first needed inside a CUDA graph capture is not kept: it belongs to that
+    graph's memory pool, and its zeroing is recorded with the graph."""
+    have = _TICKETS.get(device)
+    if have is not None and have.numel() >= count:
+        return have
+    fresh = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        _TICKETS[device] = fresh
+    return fresh
 
 
 def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

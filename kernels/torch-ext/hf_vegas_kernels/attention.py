@@ -43,7 +43,7 @@ def _tanh(x):
 @triton.jit
 def _attend_list(
     Q, K, V, QSlot, KvLen, SelIdx, SelCount, TailStart, ScoreRows, MPart, LPart, OPart, Emit, Out, Lse, Sinks,
-    stride_qb, stride_qh, stride_qt,
+    Tickets, stride_qb, stride_qh, stride_qt,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_sb, stride_eb, stride_er, stride_eh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
@@ -52,7 +52,7 @@ def _attend_list(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     SPARSE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     EMIT: tl.constexpr, NUM_SCORE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
-    SINGLE: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SINGLE: tl.constexpr, HAS_SINKS: tl.constexpr, FUSED_COMBINE: tl.constexpr,
 ):
     split = tl.program_id(0)
     row_head = tl.program_id(1)
@@ -141,21 +141,53 @@ def _attend_list(
         acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
+    out_ptr = Out + b * stride_ob + t[:, None] * stride_ot + (kvh * GROUPS + g)[:, None] * stride_oh + dv[None, :]
+    lse_ptr = Lse + b * stride_lb + t * stride_lt + kvh * GROUPS + g
     if SINGLE:  # one split: the program owns the whole list and writes the result itself (no combine launch)
-        head = kvh * GROUPS + g
-        if HAS_SINKS:
-            m_i, l_i, acc = _with_sinks(Sinks, head, row_ok, m_i, l_i, acc)
-        seen = l_i > 0
-        out = acc / tl.where(seen, l_i, 1.0)[:, None]
-        tl.store(Out + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
-                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < V_DIM))
-        tl.store(Lse + b * stride_lb + t * stride_lt + head,
-                 tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf")), mask=row_ok)
+        _write_result(Sinks, kvh * GROUPS + g, row_ok, m_i, l_i, acc, out_ptr, lse_ptr, V_DIM, BLOCK_DV, HAS_SINKS)
         return
     part = (row_head * num_splits + split) * rows + m  # only real query rows are stored
     tl.store(MPart + part, m_i, mask=row_ok)
     tl.store(LPart + part, l_i, mask=row_ok)
     tl.store(OPart + part[:, None] * V_DIM + dv[None, :], acc, mask=row_ok[:, None] & (dv[None, :] < V_DIM))
+    if FUSED_COMBINE:
+        # The last split of this (row, KV head) to finish merges all of them, instead of a combine launch. Every
+        # thread's stores precede the barrier, the barrier precedes the ticket's release, and the winner reads the
+        # states after its acquire, past L1 (".cg": the line may hold an earlier launch's states).
+        tl.debug_barrier()
+        ticket = tl.atomic_add(Tickets + row_head, 1, sem="acq_rel", scope="gpu")
+        if ticket == num_splits - 1:
+            first = row_head * num_splits * rows + m
+            top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            for s in range(0, num_splits):
+                top = tl.maximum(top, tl.load(MPart + first + s * rows, mask=row_ok, other=float("-inf"),
+                                              cache_modifier=".cg"))
+            top = tl.where(top == float("-inf"), 0.0, top)  # a row no split saw: zero output, lse -inf
+            l_total = tl.zeros([BLOCK_M], tl.float32)
+            merged = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+            for s in range(0, num_splits):
+                w = tl.exp(tl.load(MPart + first + s * rows, mask=row_ok, other=float("-inf"),
+                                   cache_modifier=".cg") - top)
+                l_total += tl.load(LPart + first + s * rows, mask=row_ok, other=0.0, cache_modifier=".cg") * w
+                merged += tl.load(OPart + (first + s * rows)[:, None] * V_DIM + dv[None, :],
+                                  mask=row_ok[:, None] & (dv[None, :] < V_DIM), other=0.0,
+                                  cache_modifier=".cg") * w[:, None]
+            _write_result(Sinks, kvh * GROUPS + g, row_ok, top, l_total, merged, out_ptr, lse_ptr, V_DIM, BLOCK_DV,
+                          HAS_SINKS)
+            tl.atomic_xchg(Tickets + row_head, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+
+
+@triton.jit
+def _write_result(Sinks, head, ok, m_i, l_i, acc, out_ptr, lse_ptr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  HAS_SINKS: tl.constexpr):
+    """Normalise a softmax state `(max, sum, unnormalised output)` and store the output and log-sum-exp."""
+    if HAS_SINKS:
+        m_i, l_i, acc = _with_sinks(Sinks, head, ok, m_i, l_i, acc)
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    dv = tl.arange(0, BLOCK_DV)
+    tl.store(out_ptr, out.to(out_ptr.dtype.element_ty), mask=ok[:, None] & (dv[None, :] < V_DIM))
+    tl.store(lse_ptr, tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf")), mask=ok)
 
 
 @triton.jit
@@ -271,6 +303,9 @@ def attend(
     # Sparse drafts of one split write their result in the kernel (measured faster, `_launch.TUNING`); other kinds keep
     # the combine, whose epilogue needs no extra shared memory in the main kernel.
     single = splits == 1 and sparse
+    # Several splits: the last one of each (row, KV head) merges them in the kernel where the tuning says so, else the
+    # combine launch does.
+    fused = not single and tuning.get("fused_combine", False)
     parts = 1 if single else batch * kv_heads * splits * rows  # split states, for the combine
     m_part = _launch.empty(parts, **f32)
     l_part = _launch.empty(parts, **f32)
@@ -291,7 +326,7 @@ def attend(
     _attend_list[(splits, batch * kv_heads)](
         q, k_cache, v_cache, q_slot.contiguous(), kv_len, sel_idx if sparse else kv_len,
         sel_count if sparse else kv_len, tail_start, score_rows_or_any, m_part, l_part, o_part, emitted, out, lse,
-        sinks if sinks is not None else lse,
+        sinks if sinks is not None else lse, _launch.tickets(batch * kv_heads, device) if fused else lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -304,9 +339,10 @@ def attend(
         SPARSE=sparse, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
         EMIT=emit, NUM_SCORE_ROWS=score_rows.numel() if emitting else 0,
         BLOCK_E=max(16, triton.next_power_of_2(emit_rows)), PRECISION=_launch.dot_precision(q.dtype),
-        SINGLE=single, HAS_SINKS=sinks is not None, num_warps=tuning["num_warps"], num_stages=stages,
+        SINGLE=single, HAS_SINKS=sinks is not None, FUSED_COMBINE=fused, num_warps=tuning["num_warps"],
+        num_stages=stages,
     )
-    if single:
+    if single or fused:
         return out, lse, (emitted if emitting else None)
     # GPU: one query row per program, for parallelism at small batch. Triton's CPU interpreter pays per program,
     # so there a program takes all rows.
