@@ -17,12 +17,20 @@ import torch
 # (6.5 against 6.3). A kernel with every KV head of a row in one program (contiguous slot reads, a block-diagonal
 # query tile) was slower at every batch (19.7 / 9.7 / 6.8 us at 64 / 16 / 4 rows, commit ece2ebb) and was dropped.
 # The benchmark overrides these to sweep; nothing else should.
+#
+# `fused_combine`: the last split of each (row, KV head) merges the splits' states in the kernel instead of a combine
+# launch (`kernel_bandwidth.py --tuning`, SmolLM2 batch 64 x 7.5K, H100, commit 82ade28): dense 145.0 -> 139.9 us,
+# verify 149.8 -> 144.2, verify with softmax-weight scores 170.6 -> 163.6. Sparse drafts gained nothing from it (the
+# sweep's best at batch 64 is 17.9 us either way, at batch 16 9.3 without, 9.7 with), so they keep their settings.
 TUNING = {
     "sparse": {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 2, "nearest": True},
-    "dense": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2},
-    "verify": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2},
+    "dense": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "fused_combine": True},
+    "verify": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "fused_combine": True},
     "verify_wide_head": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 8},
 }
+# The in-kernel merge reads the splits one after the other: past this many, the combine launch (parallel over query
+# rows, vectorised over splits) is used instead.
+FUSED_COMBINE_MAX_SPLITS = 8
 
 # Launch parameters of the projection kernels (`linear.py`) per op, for forwards of at most 64 rows (a draft step of
 # up to 64 sequences); larger forwards keep the generic setting. `block_n` is the widest column block tried: a
@@ -42,7 +50,8 @@ LINEAR_SHARED_BYTES = 160 << 10
 LINEAR_TUNED_ROWS = 64
 
 # Warps per program of the in-register top-k selection (`select.py`, one program per (layer, row)); 0: 16 for rows
-# longer than 8K slots, else 8. The benchmark overrides it to sweep.
+# longer than 8K slots, else 4. At SmolLM2 batch 64 x 7.5K on an H100 (`kernel_bandwidth.py --tuning`, 82ade28) the
+# 30 layers' top-k took 256 us with 4 warps, 371 with 8 and 373 with 2. The benchmark overrides it to sweep.
 SELECT_TUNING = {"num_warps": 0}
 
 # Under TRITON_INTERPRET=1 on the CPU there are no SMs; split as if a small GPU, so split-K paths are exercised.

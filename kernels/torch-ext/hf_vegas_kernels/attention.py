@@ -13,7 +13,9 @@ A program owns one (split, row, KV head) and all `groups * T` query rows that sh
 key and value it gathers is read once for all of them. Partial softmax states go to fp32 scratch and
 `_combine_splits` merges them; it also returns the log-sum-exp, which turns emitted logits into softmax weights.
 Where one split per (row, KV head) already fills the GPU (a short draft list at a large batch), the program writes
-the output and log-sum-exp itself and the combine launch is skipped (`waves` 0 in `_launch.TUNING`).
+the output and log-sum-exp itself and the combine launch is skipped (`waves` 0 in `_launch.TUNING`). With
+`fused_combine`, the last split of a (row, KV head) to finish (an atomic ticket per pair) merges the others' states
+itself, so split lists skip the combine launch too.
 
 Score emission is a second, small product per tile: `emit_q @ k^T`, whose rows are exactly what is stored, so no
 tile row has to be extracted by a cross-warp reduction. Without a soft cap, logits are linear in the query, so the
@@ -303,9 +305,9 @@ def attend(
     # Sparse drafts of one split write their result in the kernel (measured faster, `_launch.TUNING`); other kinds keep
     # the combine, whose epilogue needs no extra shared memory in the main kernel.
     single = splits == 1 and sparse
-    # Several splits: the last one of each (row, KV head) merges them in the kernel where the tuning says so, else the
-    # combine launch does.
-    fused = not single and tuning.get("fused_combine", False)
+    # Several splits: the last one of each (row, KV head) merges them in the kernel where the tuning says so and they
+    # are few (its merge loop is sequential), else the combine launch does.
+    fused = not single and tuning.get("fused_combine", False) and splits <= _launch.FUSED_COMBINE_MAX_SPLITS
     parts = 1 if single else batch * kv_heads * splits * rows  # split states, for the combine
     m_part = _launch.empty(parts, **f32)
     l_part = _launch.empty(parts, **f32)

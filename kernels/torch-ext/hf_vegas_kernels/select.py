@@ -137,7 +137,7 @@ def select_topk(scores, count, cand_end, out, layers=None):
             scores.stride(0), scores.stride(1), out3.stride(0), out3.stride(1))
     if scores.shape[-1] <= ROW_IN_REGISTERS:
         block = triton.next_power_of_2(scores.shape[-1])
-        warps = _launch.SELECT_TUNING["num_warps"] or (16 if block > 8192 else 8)
+        warps = _launch.SELECT_TUNING["num_warps"] or (16 if block > 8192 else 4)
         _select_topk_row[grid](*args, BLOCK_S=block, num_warps=warps)
     else:
         _select_topk[grid](*args, BLOCK_S=1024, THRESHOLDS=_THRESHOLDS, num_warps=8)
