@@ -38,7 +38,7 @@ def _filter(scores, top_p, poison):
 def poison(monkeypatch):
     def apply(module):
         def nan_empty(*shape, dtype, device):
-            junk = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min // 3
+            junk = float("nan") if dtype.is_floating_point else -(2**40)
             return torch.full(shape, junk, dtype=dtype, device=device)
 
         monkeypatch.setattr(module._launch, "empty", nan_empty)
@@ -63,26 +63,6 @@ def test_top_p_kernel_matches_transformers_warper_without_ties(poison):
     for top_p in TOP_P:
         expected = TopPLogitsWarper(top_p)(None, scores.cpu().clone())
         torch.testing.assert_close(_filter(scores, top_p, poison).cpu(), expected, rtol=0, atol=0)
-
-
-def test_most_rows_are_pinned_after_a_few_passes(monkeypatch):
-    """The search starts from the row maximum's bound and shrinks each bracket to the keys of the tokens inside it, so
-    a typical row's cut is pinned well before the eighth pass (the later passes then read nothing)."""
-    made = []
-    allocate = kernels.top_p._launch.empty
-
-    def spy(*shape, dtype, device):
-        made.append(allocate(*shape, dtype=dtype, device=device))
-        return made[-1]
-
-    monkeypatch.setattr(kernels.top_p._launch, "empty", spy)
-    scores = (torch.randn(6, 4000, generator=torch.Generator().manual_seed(4)) * 5).to(DEVICE)
-    out = kernels.top_p_filter(scores, 0.95)
-    torch.testing.assert_close(out.cpu(), reference.top_p_filter(scores.cpu(), 0.95), rtol=0, atol=0)
-    bracket = next(t for t in made if t.dtype == torch.int64).cpu()  # (passes + 1, rows, 2): [lo, hi] per pass
-    pinned = bracket[..., 0] == bracket[..., 1]
-    first_pinned = [int(pinned[:, row].float().argmax()) for row in range(scores.shape[0])]
-    assert all(pinned[-1]) and max(first_pinned) <= 6 and sorted(first_pinned)[3] <= 4, first_pinned
 
 
 def test_top_p_kernel_keeps_a_custom_filter_value_and_refuses_bad_arguments():

@@ -15,13 +15,6 @@ of 49K on an H100, these launches 1.0 ms, the sort 2.8 ms). A pass's programs ea
 from the previous pass's per-chunk masses, in the same order, so all of them agree; 11 launches in all, no host
 synchronisation.
 
-Most rows need fewer passes, and a pass whose row is already pinned reads nothing:
-
-- the search starts at `[max - ln(V / (1 - top_p)) - 1, max]`, not the whole key range: a token scored below the
-  lower end has probability under `(1 - top_p) / (e V)`, so all of them together stay below `1 - top_p`;
-- each pass also records the smallest and largest key of the tokens between consecutive thresholds, and the next
-  bracket shrinks to the keys of the tokens actually inside it: one token left is `t_c`.
-
 The cumulative sums are fp32 sums in another order than the sort's scan, so a token whose cumulative probability
 lies within rounding of `1 - top_p` may fall on the other side (as it may between two GPUs running the warper).
 """
@@ -66,38 +59,26 @@ def _row_softmax(ChunkMax, ChunkSum, row, num_chunks, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _bracket(Bracket, Mass, KeyMin, KeyMax, row, num_rows, num_chunks, removed_mass, top, vocab, PASS,
-             THRESHOLDS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """`[lo, hi]` before pass `PASS` (holding t_c), and that pass's thresholds. Pass 0's comes from the row maximum;
-    pass p's from pass p - 1's bracket (stored), masses and token keys (reduced over the row's chunks here, in the
-    same order by every program). A pinned bracket (`lo == hi`) stays as it is."""
+def _bracket(Bracket, Mass, row, num_rows, num_chunks, removed_mass, PASS, THRESHOLDS: tl.constexpr,
+             BLOCK_C: tl.constexpr):
+    """`[lo, hi]` before pass `PASS` (holding t_c), and that pass's thresholds. Pass p's bracket follows from pass
+    p - 1's bracket (stored) and masses (summed over the row's chunks here, in the same order by every program)."""
     lane = tl.arange(0, THRESHOLDS).to(tl.int64)
-    if PASS == 0:
-        lo = _ordered_key(top - (tl.log(vocab / removed_mass) + 1.0)).to(tl.int64)
-        hi = _ordered_key(top).to(tl.int64)
-    else:
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    if PASS > 0:
         lo = tl.load(Bracket + ((PASS - 1) * num_rows + row) * 2)
         hi = tl.load(Bracket + ((PASS - 1) * num_rows + row) * 2 + 1)
-        if lo < hi:
-            step = (hi - lo + THRESHOLDS) // THRESHOLDS
-            threshold = tl.minimum(lo + lane * step, hi)
-            c = tl.arange(0, BLOCK_C)
-            at = (((PASS - 1) * num_rows + row) * num_chunks + c[:, None]) * THRESHOLDS + lane[None, :]
-            chunk_ok = (c < num_chunks)[:, None]
-            over = tl.sum(tl.load(Mass + at, mask=chunk_ok, other=0.0), axis=0) > removed_mass
-            first = tl.min(tl.where(over, lane, THRESHOLDS), axis=0)  # t_c lies in this threshold's interval
-            key_min = tl.min(tl.where(lane == first, tl.min(tl.load(KeyMin + at, mask=chunk_ok, other=2147483647),
-                                                            axis=0), 2147483647), axis=0).to(tl.int64)
-            key_max = tl.max(tl.where(lane == first, tl.max(tl.load(KeyMax + at, mask=chunk_ok, other=-2147483648),
-                                                            axis=0), -2147483648), axis=0).to(tl.int64)
-            hi_new = tl.min(tl.where(over, threshold, hi), axis=0)
-            lo_new = tl.max(tl.where(over, lo, threshold + 1), axis=0)
-            # The tokens inside the interval (one at least: G rose across it) narrow it to their own keys.
-            tighten = key_min <= key_max
-            lo = tl.where(tighten, tl.maximum(lo_new, key_min), lo_new)
-            hi = tl.where(tighten, tl.minimum(hi_new, key_max), hi_new)
+        step = (hi - lo + THRESHOLDS) // THRESHOLDS
+        threshold = tl.minimum(lo + lane * step, hi)
+        c = tl.arange(0, BLOCK_C)
+        masses = tl.load(Mass + (((PASS - 1) * num_rows + row) * num_chunks + c[:, None]) * THRESHOLDS
+                         + lane[None, :], mask=(c < num_chunks)[:, None], other=0.0)
+        over = tl.sum(masses, axis=0) > removed_mass
+        hi = tl.min(tl.where(over, threshold, hi), axis=0)
+        lo = tl.max(tl.where(over, lo, threshold + 1), axis=0)
     step = (hi - lo + THRESHOLDS) // THRESHOLDS
-    return lo, hi, step, tl.minimum(lo + lane * step, hi)
+    return lo, hi, tl.minimum(lo + lane * step, hi)
 
 
 @triton.jit
@@ -123,20 +104,17 @@ def _chunk_stats(Scores, ChunkMax, ChunkSum, vocab, stride_s, num_chunks, CHUNK:
 
 @triton.jit
 def _threshold_pass(
-    Scores, ChunkMax, ChunkSum, Bracket, Mass, KeyMin, KeyMax, CutStats, vocab, stride_s, num_rows, num_chunks,
-    removed_mass, PASS, THRESHOLDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+    Scores, ChunkMax, ChunkSum, Bracket, Mass, CutStats, vocab, stride_s, num_rows, num_chunks, removed_mass, PASS,
+    THRESHOLDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
     FINAL: tl.constexpr,
 ):
-    """Pass `PASS` < 8: this chunk's mass at the pass's 16 thresholds, and the smallest and largest key of its tokens
-    in each threshold's interval (above the previous threshold, at most this one); nothing once the row's bracket is
-    pinned. `FINAL` (pass 8): the bracket is the cut; this chunk's mass below it, the probability at it, and its
-    count of tokens at it."""
+    """Pass `PASS` < 8: this chunk's mass at the pass's 16 thresholds. `FINAL` (pass 8): the bracket is the cut;
+    this chunk's mass below it, the probability at it, and its count of tokens at it."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     scores = Scores + row * stride_s
     top, inv_total = _row_softmax(ChunkMax, ChunkSum, row, num_chunks, BLOCK_C)
-    lo, hi, step, threshold = _bracket(Bracket, Mass, KeyMin, KeyMax, row, num_rows, num_chunks, removed_mass, top,
-                                       vocab, PASS, THRESHOLDS, BLOCK_C)
+    lo, hi, threshold = _bracket(Bracket, Mass, row, num_rows, num_chunks, removed_mass, PASS, THRESHOLDS, BLOCK_C)
     if chunk == 0:  # every program of the row computed the same bracket; one stores it for the next pass
         tl.store(Bracket + (PASS * num_rows + row) * 2, lo)
         tl.store(Bracket + (PASS * num_rows + row) * 2 + 1, hi)
@@ -157,29 +135,16 @@ def _threshold_pass(
         tl.store(base, tl.sum(below, axis=0))
         tl.store(base + 1, tl.max(p_cut, axis=0))
         tl.store(base + 2, tl.sum(ties, axis=0).to(tl.float32))
-    elif lo < hi:
-        lane = tl.arange(0, THRESHOLDS)
+    else:
         threshold32 = threshold.to(tl.int32)
-        # interval j: keys above threshold j - 1 (lane 0: at least lo), at most threshold j
-        below = tl.maximum(tl.where(lane == 0, lo - 1, lo + (lane - 1) * step), -2147483648)
-        below32 = tl.minimum(below, hi).to(tl.int32)
         mass = tl.zeros([BLOCK, THRESHOLDS], tl.float32)
-        key_min = tl.full([BLOCK, THRESHOLDS], 2147483647, tl.int32)
-        key_max = tl.full([BLOCK, THRESHOLDS], -2147483648, tl.int32)
         for v0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
             i = v0 + tl.arange(0, BLOCK)
             x = tl.load(scores + i, mask=i < vocab, other=float("-inf"))
             p = tl.exp(x - top) * inv_total
-            key = _ordered_key(x)[:, None]
-            at_most = key <= threshold32[None, :]
-            mass += tl.where(at_most, p[:, None], 0.0)
-            inside = at_most & (key > below32[None, :]) & (i < vocab)[:, None]
-            key_min = tl.minimum(key_min, tl.where(inside, key, 2147483647))
-            key_max = tl.maximum(key_max, tl.where(inside, key, -2147483648))
-        at = ((PASS * num_rows + row) * num_chunks + chunk) * THRESHOLDS + lane
-        tl.store(Mass + at, tl.sum(mass, axis=0))
-        tl.store(KeyMin + at, tl.min(key_min, axis=0))
-        tl.store(KeyMax + at, tl.max(key_max, axis=0))
+            mass += tl.where(_ordered_key(x)[:, None] <= threshold32[None, :], p[:, None], 0.0)
+        lane = tl.arange(0, THRESHOLDS)
+        tl.store(Mass + ((PASS * num_rows + row) * num_chunks + chunk) * THRESHOLDS + lane, tl.sum(mass, axis=0))
 
 
 @triton.jit
@@ -229,8 +194,6 @@ def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float
     chunk_max, chunk_sum = _launch.empty(rows, num_chunks, **f32), _launch.empty(rows, num_chunks, **f32)
     bracket = _launch.empty(PASSES + 1, rows, 2, dtype=torch.int64, device=scores.device)
     mass = _launch.empty(PASSES, rows, num_chunks, THRESHOLDS, **f32)
-    key_min = _launch.empty(PASSES, rows, num_chunks, THRESHOLDS, dtype=torch.int32, device=scores.device)
-    key_max = _launch.empty(PASSES, rows, num_chunks, THRESHOLDS, dtype=torch.int32, device=scores.device)
     cut_stats = _launch.empty(rows, num_chunks, 3, **f32)
     out = _launch.empty(rows, vocab, **f32)
     # The warper compares the fp32 cumulative sums with 1 - top_p rounded to fp32: so does the kernel.
@@ -240,8 +203,8 @@ def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float
     _chunk_stats[grid](scores, chunk_max, chunk_sum, vocab, scores.stride(0), num_chunks, **common)
     for step in range(PASSES + 1):
         _threshold_pass[grid](
-            scores, chunk_max, chunk_sum, bracket, mass, key_min, key_max, cut_stats, vocab, scores.stride(0), rows,
-            num_chunks, removed_mass, step, THRESHOLDS=THRESHOLDS, BLOCK_C=block_c, FINAL=step == PASSES, **common,
+            scores, chunk_max, chunk_sum, bracket, mass, cut_stats, vocab, scores.stride(0), rows, num_chunks,
+            removed_mass, step, THRESHOLDS=THRESHOLDS, BLOCK_C=block_c, FINAL=step == PASSES, **common,
         )
     _write_filtered[grid](
         scores, out, bracket, cut_stats, vocab, scores.stride(0), out.stride(0), rows, num_chunks, removed_mass,
