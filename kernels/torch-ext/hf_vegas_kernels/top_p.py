@@ -15,6 +15,11 @@ of 49K on an H100, these launches 1.0 ms, the sort 2.8 ms). A pass's programs ea
 from the previous pass's per-chunk masses, in the same order, so all of them agree; 11 launches in all, no host
 synchronisation.
 
+Tried and dropped (79809b6): starting the search at `[max - ln(V / (1 - top_p)) - 1, max]` and shrinking each bracket
+to the keys of the tokens inside it pinned most rows after 3-5 passes, and the later passes read nothing; but the
+extra per-interval key minimum and maximum made the passes that run dearer than the skipped ones saved (H100,
+`benchmarks/top_p.py`: 64 x 49K 214 us against 164, 448 x 49K 1045 against 1030).
+
 The cumulative sums are fp32 sums in another order than the sort's scan, so a token whose cumulative probability
 lies within rounding of `1 - top_p` may fall on the other side (as it may between two GPUs running the warper).
 """
