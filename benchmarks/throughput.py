@@ -246,6 +246,10 @@ def _add_throughput(record, model, workload, method, new_tokens, config, records
     else:
         record["tokens_per_s"] = workload.batch * (new_tokens - 1) / record["decode_seconds"]
     record["fraction_of_bound"] = record["tokens_per_s"] / record["bound_tokens_per_s"]
+    if record.get("iterations") and not record.get("projected"):
+        # The batch runs until its slowest row is done: iterations over what a row of average acceptance needs.
+        # 1 for the dense path; the gap between Vegas' per-iteration rate and its tokens/s.
+        record["straggler_tail"] = record["iterations"] * tpi / (new_tokens - 1)
 
 
 def _add_ratios(record, records) -> None:
@@ -277,8 +281,8 @@ def _projected_tpi(records, method, decoding, record) -> float:
 
 def print_table(records) -> None:
     print(f"\n{'workload':<24} {'decoding':<7} {'method':<9} {'tok/s':>9} {'step ms':>8} {'bound tok/s':>11} "
-          f"{'%bound':>6} {'tok/iter':>8} {'x hf':>6} {'x dense':>7} {'pred.':>6} {'peak GiB':>8}  "
-          "split ms (draft/verify/accept/host)")
+          f"{'%bound':>6} {'tok/iter':>8} {'iters':>5} {'tail':>5} {'x hf':>6} {'x dense':>7} {'pred.':>6} "
+          f"{'peak GiB':>8}  split ms (draft/verify/accept/host)")
     for r in records:
         name = f"{r['model']}:{r['batch']}x{r['prompt_tokens']}"
         if "error" in r:
@@ -290,10 +294,12 @@ def print_table(records) -> None:
         star = "*" if r.get("projected") else " "
         print(f"{name:<24} {r['decoding']:<7} {r['method']:<9} {r['tokens_per_s']:>8.0f}{star} {r['step_ms']:>8.2f} "
               f"{r['bound_tokens_per_s']:>11.0f} {100 * r['fraction_of_bound']:>5.0f}% "
-              f"{r.get('tokens_per_iteration', 1.0):>8.2f} {r.get('x_hf', nan):>6.2f} {r.get('x_dense', nan):>7.2f} "
+              f"{r.get('tokens_per_iteration', 1.0):>8.2f} {r.get('iterations') or '':>5} "
+              f"{r.get('straggler_tail', nan):>5.2f} {r.get('x_hf', nan):>6.2f} {r.get('x_dense', nan):>7.2f} "
               f"{r.get('predicted_x_dense', nan):>6.2f} {r.get('peak_memory_GiB', nan):>8.1f}  {parts}")
     print("* projected: measured iteration time x tokens per iteration of the real model (random weights); "
-          "pred.: the traffic model's speedup over dense")
+          "pred.: the traffic model's speedup over dense; tail: iterations over those a row of average acceptance "
+          "needs (the batch waits for its slowest row)")
     for r in records:
         if "agreement_with_dense" in r:
             a = r["agreement_with_dense"]
