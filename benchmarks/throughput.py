@@ -73,7 +73,22 @@ def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfi
     return dict(graphs=graphs, decode_seconds=timer.decode_seconds(), step_ms=timer.median_ms()["wall"],
                 split_ms=timer.median_ms(), iterations=out.accepted.shape[1],
                 tokens_per_iteration=float((accepted + 1).float().mean()),
-                new_tokens=out.sequences.shape[1] - ids.shape[1], **_peak_memory()), out.sequences
+                rows=row_acceptance(out.accepted, mask), new_tokens=out.sequences.shape[1] - ids.shape[1],
+                **_peak_memory()), out.sequences
+
+
+def row_acceptance(accepted: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Per-row tokens per iteration (quantiles), and the slowest rows with their prompt lengths: the batch runs until
+    its slowest row is done, so whether the stragglers share a trait (short, padded prompts) or not matters."""
+    active = accepted >= 0
+    rate = ((accepted + 1) * active).sum(dim=1).float() / active.sum(dim=1).clamp_min(1).float()
+    quantiles = torch.quantile(rate, torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], device=rate.device)).tolist()
+    prompt = mask.sum(dim=1)
+    slowest = rate.argsort()[:4].tolist()
+    return dict(tokens_per_iteration_quantiles=dict(zip(("min", "p10", "median", "p90", "max"), quantiles)),
+                slowest=[dict(row=r, tokens_per_iteration=float(rate[r]), iterations=int(active[r].sum()),
+                              prompt_tokens=int(prompt[r])) for r in slowest],
+                prompt_tokens_range=[int(prompt.min()), int(prompt.max())])
 
 
 def agreement(sequences: torch.Tensor, reference: torch.Tensor, prompt_width: int) -> dict:
@@ -300,6 +315,14 @@ def print_table(records) -> None:
     print("* projected: measured iteration time x tokens per iteration of the real model (random weights); "
           "pred.: the traffic model's speedup over dense; tail: iterations over those a row of average acceptance "
           "needs (the batch waits for its slowest row)")
+    for r in records:
+        if r.get("rows") and r["method"] != "dense":
+            q, slow = r["rows"]["tokens_per_iteration_quantiles"], r["rows"]["slowest"]
+            name = f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['decoding']} {r['method']}"
+            print(f"{name}: tokens/iteration per row min {q['min']:.2f} p10 {q['p10']:.2f} median {q['median']:.2f} "
+                  f"max {q['max']:.2f}; slowest rows "
+                  + ", ".join(f"#{s['row']} {s['tokens_per_iteration']:.2f} ({s['prompt_tokens']} prompt tokens)"
+                              for s in slow))
     for r in records:
         if "agreement_with_dense" in r:
             a = r["agreement_with_dense"]
