@@ -47,6 +47,15 @@ def check_model(model) -> None:
         )
     text_config = config.get_text_config(decoder=True)
     unsupported = set(layer_types(text_config)) - SUPPORTED_LAYER_TYPES
+    if "chunked_attention" in unsupported:
+        # Llama 4: a token sees only the keys of its own chunk of `attention_chunk_size` positions, a window that
+        # restarts at every chunk boundary. The sparse drafts, the verification and the selection's candidates
+        # would each need that boundary; until they have it, vanilla generate is the one that is right.
+        raise ValueError(
+            "Unsupported layer type 'chunked_attention' (Llama 4: a token sees only its chunk of "
+            f"{getattr(text_config, 'attention_chunk_size', '?')} positions); hf_vegas supports "
+            f"{sorted(SUPPORTED_LAYER_TYPES)}. Use vanilla generate."
+        )
     if unsupported:
         raise ValueError(
             f"Unsupported attention layer type(s) {sorted(unsupported)}; hf_vegas supports "

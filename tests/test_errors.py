@@ -192,6 +192,24 @@ def test_unsupported_attention_type_is_refused():
     assert forwards == [] and model.config._attn_implementation != "vegas"
 
 
+def test_llama4_chunked_attention_is_refused_before_any_forward():
+    """Llama 4's chunked attention (a window that restarts at each chunk boundary) is not supported: a clear error
+    that names it and the chunk size, before any forward and with the model's attention untouched."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                              num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                              attention_chunk_size=8, num_local_experts=1, pad_token_id=0)
+    model = Llama4ForCausalLM(config).eval()
+    assert "chunked_attention" in config.layer_types
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    implementation = model.config._attn_implementation
+    with pytest.raises(ValueError, match=r"'chunked_attention' \(Llama 4.*chunk of 8 positions.*vanilla generate"):
+        model.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=3, custom_generate="vegas")
+    assert forwards == [] and model.config._attn_implementation == implementation
+
+
 def test_streamer_needs_batch_one(model_and_counter):
     from transformers.generation.streamers import BaseStreamer
 
