@@ -14,6 +14,7 @@ from kernel_cases import DEVICE, dense_readable, import_kernels, make_case, pois
 
 kernels = import_kernels()
 from hf_vegas_kernels import _launch  # noqa: E402
+from hf_vegas_kernels import attention as attention_kernels  # noqa: E402
 
 # (head_dim, query heads, KV heads): GQA groups 1, 3, 4 and 8.
 HEADS = [(64, 2, 2), (128, 6, 2), (256, 8, 2), (64, 8, 1)]
@@ -27,6 +28,21 @@ def nan_scratch(monkeypatch):
         return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
 
     monkeypatch.setattr(_launch, "empty", empty)
+
+
+@pytest.fixture
+def combine_launches(monkeypatch):
+    """Counts launches of the split-combine kernel, to tell which path a call took (the paths compute the same)."""
+    launches = []
+    kernel = attention_kernels._combine_splits
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(attention_kernels, "_combine_splits", Counted())
+    return launches
 
 
 def _assert_close(actual, expected, dtype):
@@ -159,10 +175,11 @@ def test_one_split_writes_what_the_combine_would(monkeypatch, head_dim, q_heads,
 
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", [HEADS[1], HEADS[3]])
 @pytest.mark.parametrize("tokens", [1, 7])
-def test_the_last_split_merges_in_the_kernel(monkeypatch, head_dim, q_heads, kv_heads, tokens):
+def test_the_last_split_merges_in_the_kernel(monkeypatch, combine_launches, head_dim, q_heads, kv_heads, tokens):
     """`fused_combine`: the last split of each (row, KV head) merges the others' states in the kernel. Every kind
     against the reference, the log-sum-exp equal to the combine launch's, and the tickets zero again after each launch
-    (a second round reuses them)."""
+    (a second round reuses them). Six waves of the interpreter's 4 "SMs" give 4 to 8 splits of these lists: all
+    merged in the kernel (no combine launch), which one more than `FUSED_COMBINE_MAX_SPLITS` would hand back."""
     case = make_case(LENGTHS, [tokens + 1] * 3, tokens, head_dim, q_heads, kv_heads, seed=17)
     sparse_ok, dense_ok = sparse_readable(case), dense_readable(case)
     rows = torch.tensor(sorted({0, tokens - 1}), device=DEVICE)
@@ -170,7 +187,7 @@ def test_the_last_split_merges_in_the_kernel(monkeypatch, head_dim, q_heads, kv_
 
     def run(fused):
         for kind in ("sparse", "dense", "verify"):
-            monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], "waves": 8, "block_n": 16,
+            monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], "waves": 6, "block_n": 16,
                                                        "fused_combine": fused})
         draft = kernels.sparse_draft_attention(case.q, poisoned(case.k, sparse_ok), poisoned(case.v, sparse_ok),
                                                *args)
@@ -181,8 +198,11 @@ def test_the_last_split_merges_in_the_kernel(monkeypatch, head_dim, q_heads, kv_
         return draft, dense, verify
 
     launched = run(fused=False)
+    assert len(combine_launches) >= 2, "without fused_combine the dense and verify splits merge in a combine launch"
     for _ in range(2):
+        combine_launches.clear()
         draft, dense, (out, emitted, lse) = run(fused=True)
+        assert not combine_launches, "with fused_combine and at most 8 splits no kind launches the combine"
         assert not _launch.tickets(1, case.q.device).any(), "the kernel must leave its tickets at zero"
         _assert_close(draft, reference.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
         expected = reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling)
@@ -193,12 +213,31 @@ def test_the_last_split_merges_in_the_kernel(monkeypatch, head_dim, q_heads, kv_
         want = _expected_scores(case, rows, "weights", None)
         assert torch.equal(torch.isfinite(got), torch.isfinite(want))
         _assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)], torch.float32)
+    monkeypatch.setattr(_launch, "FUSED_COMBINE_MAX_SPLITS", 2)
+    combine_launches.clear()
+    dense = kernels.dense_attention(case.q, poisoned(case.k, dense_ok), poisoned(case.v, dense_ok), case.q_slot,
+                                    case.kv_len, case.scaling)
+    assert len(combine_launches) == 1, "past FUSED_COMBINE_MAX_SPLITS the combine launch merges"
+    _assert_close(dense, launched[1], torch.float32)
+
+
+def test_a_larger_ticket_buffer_keeps_the_replaced_one_alive(monkeypatch):
+    """A captured graph keeps the address of the ticket buffer current at its capture: growing the buffer must not
+    free the old one (its memory would be handed to other tensors and the graph's counters would corrupt them)."""
+    monkeypatch.setattr(_launch, "_TICKETS", {})
+    monkeypatch.setattr(_launch, "_RETIRED", [])
+    first = _launch.tickets(1, torch.device("cpu"))
+    assert _launch.tickets(first.numel(), torch.device("cpu")) is first
+    grown = _launch.tickets(first.numel() + 1, torch.device("cpu"))
+    assert grown.numel() >= 2 * first.numel() and not grown.any()
+    assert any(t is first for t in _launch._RETIRED)
+    assert _launch.tickets(2, torch.device("cpu")) is grown
 
 
 # one split writing its result, splits and the combine launch, splits merged by the last one in the kernel
-@pytest.mark.parametrize("waves,fused", [(0, False), (8, False), (8, True)])
+@pytest.mark.parametrize("waves,fused", [(0, False), (6, False), (6, True)])
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", [HEADS[1], HEADS[3]])
-def test_sinks_in_every_kernel(monkeypatch, head_dim, q_heads, kv_heads, waves, fused):
+def test_sinks_in_every_kernel(monkeypatch, combine_launches, head_dim, q_heads, kv_heads, waves, fused):
     """gpt-oss' per-head sink logits: draft, dense (also windowed) and verify kernels against the reference, and the
     verification's softmax-weight scores against the reference's weights with the sinks in their denominators."""
     sinks = torch.linspace(-2.0, 3.0, q_heads, device=DEVICE)
@@ -232,6 +271,8 @@ def test_sinks_in_every_kernel(monkeypatch, head_dim, q_heads, kv_heads, waves, 
     got = kernels.finalize_scores(emitted, lse, rows, case.sel_end, q_heads, True, mean_rows=False)
     assert torch.equal(torch.isfinite(got), torch.isfinite(expected))
     _assert_close(got[torch.isfinite(got)], expected[torch.isfinite(expected)], torch.float32)
+    # waves 0 combines the dense and verify kernels' single split in a launch (only a sparse draft writes it itself)
+    assert (len(combine_launches) == 0) == fused, "the splits merged where this case asked for"
     with pytest.raises(ValueError, match="one logit per query head"):
         kernels.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling, sinks=sinks[:1])
 

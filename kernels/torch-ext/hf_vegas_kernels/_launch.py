@@ -70,18 +70,29 @@ def device_sm_count(device: torch.device) -> int:
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}
+# Buffers that a larger one replaced: a CUDA graph captured while one was current still points at it, so none is ever
+# freed (they are small, and each replacement at least doubles the size).
+_RETIRED: list[torch.Tensor] = []
 
 
 def tickets(count: int, device: torch.device) -> torch.Tensor:
     """At least `count` zeroed int32 counters for a kernel whose last program to finish a unit of work merges the
-    others' results; the kernel leaves them zero again, so one buffer per device serves every launch (kernels of one
-    stream run one at a time). A buffer first needed inside a CUDA graph capture is not kept: it belongs to that
-    graph's memory pool, and its zeroing is recorded with the graph."""
+    others' results; the kernel leaves them zero again, so one buffer per device serves every launch.
+
+    That holds while the launches that use it run one at a time: on one stream, as `generate` runs its steps and
+    replays its graphs, or on streams the caller orders. Two launches running at once on two streams of one device
+    would mix their counts (a wrong merge, and a counter left nonzero for the next launch).
+
+    A buffer first needed inside a CUDA graph capture is not kept: it belongs to that graph's memory pool, and only
+    the graph's replay zeroes it (captured kernels do not run)."""
     have = _TICKETS.get(device)
     if have is not None and have.numel() >= count:
         return have
-    fresh = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+    fresh = torch.zeros(max(count, 4096, 2 * (have.numel() if have is not None else 0)), dtype=torch.int32,
+                        device=device)
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        if have is not None:
+            _RETIRED.append(have)
         _TICKETS[device] = fresh
     return fresh
 
