@@ -136,8 +136,9 @@ def _draft_time(q1, caches, slot1, kv_len, context, batch, scaling) -> float:
 
 def sweep(name, batch, context, dtype, bandwidth, base, write, draft_only=False):
     """Time draft, dense and verify(+logits) (or the draft alone) under every launch setting of a grid, set into
-    `_launch.TUNING` (waves 0: one split per (row, KV head), no combine launch; `fused_combine`: the last split
-    merges the others in the kernel, no combine launch either)."""
+    `_launch.TUNING` (waves 0: one split per (row, KV head), which a sparse draft writes itself while dense and verify
+    pass it through the combine launch; `fused_combine`: the last split, or the only one, merges in the kernel, no
+    combine launch)."""
     from itertools import product
 
     from hf_vegas_kernels import _launch
@@ -146,8 +147,6 @@ def sweep(name, batch, context, dtype, bandwidth, base, write, draft_only=False)
     try:
         grid = product([32, 64, 128], [2, 4, 8], [2, 3], [0, 1, 2, 4, 8], [False, True])
         for block_n, warps, stages, waves, fused in grid:
-            if waves == 0 and fused:  # one split has nothing to merge
-                continue
             setting = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves,
                        "fused_combine": fused}
             for kind in ["sparse"] if draft_only else _launch.TUNING:  # sparse and dense lists alike

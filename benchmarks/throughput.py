@@ -73,15 +73,17 @@ def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfi
     return dict(graphs=graphs, decode_seconds=timer.decode_seconds(), step_ms=timer.median_ms()["wall"],
                 split_ms=timer.median_ms(), iterations=out.accepted.shape[1],
                 tokens_per_iteration=float((accepted + 1).float().mean()),
-                rows=row_acceptance(out.accepted, mask), new_tokens=out.sequences.shape[1] - ids.shape[1],
+                rows=row_acceptance(out.accepted, mask, new_tokens), new_tokens=out.sequences.shape[1] - ids.shape[1],
                 **_peak_memory()), out.sequences
 
 
-def row_acceptance(accepted: torch.Tensor, mask: torch.Tensor) -> dict:
+def row_acceptance(accepted: torch.Tensor, mask: torch.Tensor, budget: int) -> dict:
     """Per-row tokens per iteration (quantiles), and the slowest rows with their prompt lengths: the batch runs until
-    its slowest row is done, so whether the stragglers share a trait (short, padded prompts) or not matters."""
+    its slowest row is done, so whether the stragglers share a trait (short, padded prompts) or not matters. A row's
+    last iteration may accept more than the `budget` of new tokens leaves room for: only the budget counts."""
     active = accepted >= 0
-    rate = ((accepted + 1) * active).sum(dim=1).float() / active.sum(dim=1).clamp_min(1).float()
+    produced = ((accepted + 1) * active).sum(dim=1).clamp_max(budget)
+    rate = produced.float() / active.sum(dim=1).clamp_min(1).float()
     quantiles = torch.quantile(rate, torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], device=rate.device)).tolist()
     prompt = mask.sum(dim=1)
     slowest = rate.argsort()[:4].tolist()
@@ -316,7 +318,7 @@ def print_table(records) -> None:
           "pred.: the traffic model's speedup over dense; tail: iterations over those a row of average acceptance "
           "needs (the batch waits for its slowest row)")
     for r in records:
-        if r.get("rows") and r["method"] != "dense":
+        if r.get("rows") and r["method"] != "dense" and not r.get("projected"):  # random weights: no acceptance
             q, slow = r["rows"]["tokens_per_iteration_quantiles"], r["rows"]["slowest"]
             name = f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['decoding']} {r['method']}"
             print(f"{name}: tokens/iteration per row min {q['min']:.2f} p10 {q['p10']:.2f} median {q['median']:.2f} "

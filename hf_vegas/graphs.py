@@ -72,7 +72,7 @@ _WARM, _COMPILED = object(), object()
 class StepGraphs:
     """The captured steps of one `VegasCache`, each in a memory pool of its own.
 
-    A shared pool would be safe only if the graphs were captured in the order they replay: the memory a graph frees
+    A shared pool needs, at the least, the graphs to replay in the order they were captured: the memory a graph frees
     during its capture (its intermediates) may hold the outputs of a graph captured after it, and each replay of the
     earlier graph writes over them. A later `generate` call of the same bucket breaks that order: sampling after
     greedy decoding captures its draft step after the verification that both share, and the verification then
