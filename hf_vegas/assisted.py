@@ -59,7 +59,7 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
     ):
         return model.generate(
             input_ids,
-            past_key_values=cache,
+            **{compat.CACHE_KEYWORD: cache},
             prompt_lookup_num_tokens=config.gamma,
             max_new_tokens=max_new_tokens,
             **kwargs,

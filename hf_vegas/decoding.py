@@ -105,7 +105,7 @@ def generate(
     prompt = input_ids if inputs_embeds is None else inputs_embeds[..., 0]
     left_pad = validation.left_padding(prompt, model_kwargs.get("attention_mask"))
     validation.check_position_ids(model_kwargs.get("position_ids"), left_pad, prompt.shape[1])
-    prefix = prompt_cache.checked(model_kwargs.get("past_key_values"), prompt.shape[1], input_ids.shape[0])
+    prefix = prompt_cache.checked(model_kwargs.get(compat.CACHE_KEYWORD), prompt.shape[1], input_ids.shape[0])
     validation.check_streamer(streamer, input_ids.shape[0])
     backend_name = backend.resolve_backend(config.backend, input_ids.device, model.dtype)
 
@@ -135,8 +135,8 @@ def generate(
     # A pooled cache (CUDA graphs) belongs to the pool: the next generate call of its bucket overwrites it, and an
     # output that held it would keep gigabytes alive beside the next bucket's cache. Only an own cache is returned.
     own_cache = cache if step_graphs is None else None
-    output = VegasGenerateOutput(sequences=sequences, scores=scores, logits=logits, past_key_values=own_cache,
-                                 accepted=accepted)
+    output = VegasGenerateOutput(sequences=sequences, scores=scores, logits=logits, accepted=accepted,
+                                 **{compat.CACHE_KEYWORD: own_cache})
     return _finish(sequences, output, generation_config, streamer)
 
 

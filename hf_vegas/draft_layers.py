@@ -36,6 +36,7 @@ import sys
 import torch
 
 from .fused_projections import MAX_ROWS, _gated_mlp_activation, _plain_linears, _small, fused_projections
+from ._compat import internals as compat
 from .ops import backend
 
 
@@ -133,7 +134,7 @@ def _applies(parts: _Parts, cache, hidden_states: torch.Tensor, args: tuple, kwa
     """Whether this forward is a draft step the fused layer runs: a one-token sparse draft of at most `MAX_ROWS`
     rows, in the weights' dtype, without autocast, with per-row rotary factors over the whole head (anything else
     runs the model's own forward)."""
-    return (not args and cache is not None and kwargs.get("past_key_values") is cache and cache.mode == "draft"
+    return (not args and cache is not None and kwargs.get(compat.CACHE_KEYWORD) is cache and cache.mode == "draft"
             and kwargs.get("position_embeddings") is not None
             and kwargs["position_embeddings"][0].shape == (hidden_states.shape[0], 1, parts.head_dim)
             and not cache.layers[parts.layer_idx].is_sliding and cache.layers[parts.layer_idx].is_initialized

@@ -273,8 +273,8 @@ Qwen3, Gemma-3, Phi-3, DeepSeek-V2/V3 and others).
 ## Output Type changes
 With `return_dict_in_generate=True` the output is a `VegasGenerateOutput`: the usual fields (`sequences`, and
 `scores` / `logits` with `output_scores` / `output_logits`), plus `accepted` (draft tokens accepted per row and
-iteration, `-1` once a row has finished) and `tokens_per_iteration`. `past_key_values` is the generation's own cache,
-or None when it was kept for the next call (CUDA graphs).
+iteration, `-1` once a row has finished) and `tokens_per_iteration`. `cache` (`past_key_values` before transformers
+5.24) is the generation's own cache, or None when it was kept for the next call (CUDA graphs).
 
 ## Example usage
 ```python

@@ -11,8 +11,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 @dataclass
 class VegasGenerateOutput(GenerateDecoderOnlyOutput):
     r"""
-    [`~generation.GenerateDecoderOnlyOutput`] plus Vegas statistics. `past_key_values` is the generation's own
-    `VegasCache`, or None when the cache was pooled for the next call (CUDA graphs, see `hf_vegas.graphs`).
+    [`~generation.GenerateDecoderOnlyOutput`] plus Vegas statistics. `cache` (`past_key_values` before transformers
+    5.24) is the generation's own `VegasCache`, or None when the cache was pooled for the next call (CUDA graphs, see
+    `hf_vegas.graphs`).
 
     Args:
         accepted (`torch.LongTensor` of shape `(batch_size, num_iterations)`):

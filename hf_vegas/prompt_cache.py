@@ -1,5 +1,6 @@
-"""A prompt cache the user prefilled (`past_key_values=DynamicCache`, transformers' prompt-reuse recipe): checked
-before any forward, then copied into the empty rows of the `VegasCache`, whose prefill continues after it."""
+"""A prompt cache the user prefilled (`cache=DynamicCache`, `past_key_values=` before transformers 5.24; the
+prompt-reuse recipe): checked before any forward, then copied into the empty rows of the `VegasCache`, whose prefill
+continues after it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from ._compat import internals as compat
 from .cache import VegasCache
 from .ops import reference
 
+_NAME = compat.CACHE_KEYWORD  # the keyword the user passed the cache by, in errors
+
 
 def checked(cache, prompt_length: int, batch: int) -> DynamicCache | None:
-    """The user's prefilled prompt cache (`past_key_values=`), checked; None when none was passed.
+    """The user's prefilled prompt cache (`compat.CACHE_KEYWORD`), checked; None when none was passed.
 
     hf_vegas copies its keys and values into its own cache and prefills the rest of the prompt; the user's cache is
     left as it was (vanilla would extend it in place).
@@ -22,23 +25,23 @@ def checked(cache, prompt_length: int, batch: int) -> DynamicCache | None:
     if cache.get_seq_length() == 0:
         if compat.is_user_cache(cache):  # vanilla would fill it for the caller; hf_vegas keeps its own cache
             raise ValueError(
-                f"`past_key_values` is an empty {type(cache).__name__}: hf_vegas decodes in its own cache and would "
+                f"`{_NAME}` is an empty {type(cache).__name__}: hf_vegas decodes in its own cache and would "
                 "not fill yours. Pass no cache, or a DynamicCache prefilled with the start of the prompt."
             )
         return None  # built by transformers for `cache_implementation`: nothing to copy
     if not isinstance(cache, DynamicCache):
         raise ValueError(
-            f"`past_key_values` must be a prefilled DynamicCache (the prompt-reuse recipe), got "
+            f"`{_NAME}` must be a prefilled DynamicCache (the prompt-reuse recipe), got "
             f"{type(cache).__name__}: hf_vegas copies it into its own static cache. Remove it, or pass a DynamicCache."
         )
     rows = sorted({layer.keys.shape[0] for layer in cache.layers if getattr(layer, "keys", None) is not None})
     if rows != [batch]:
-        raise ValueError(f"`past_key_values` holds a batch of {'/'.join(map(str, rows))} rows; the prompt has "
+        raise ValueError(f"`{_NAME}` holds a batch of {'/'.join(map(str, rows))} rows; the prompt has "
                          f"{batch}. Prefill the prompt cache with the same batch.")
     cached = cache.get_seq_length()
     if cached >= prompt_length:
         raise ValueError(
-            f"`past_key_values` already holds {cached} positions but the prompt has {prompt_length}: pass the whole "
+            f"`{_NAME}` already holds {cached} positions but the prompt has {prompt_length}: pass the whole "
             "prompt (cached part included) with at least one position the cache does not hold."
         )
     return cache
@@ -61,7 +64,7 @@ def load(cache: VegasCache, prefix: Cache, left_pad: torch.Tensor) -> None:
         stored = (layer.keys.shape[2], layer.keys.shape[3], layer.values.shape[3])
         given = (source.keys.shape[1], source.keys.shape[3], source.values.shape[3])
         if stored != given:
-            raise ValueError(f"Layer {index} of `past_key_values` has (heads, key dim, value dim) {given}; this "
+            raise ValueError(f"Layer {index} of `{_NAME}` has (heads, key dim, value dim) {given}; this "
                              f"model's cache has {stored}.")
         positions = torch.arange(cached - held, cached, device=cache.device)
         slots = positions[None, :] - left_pad[:, None]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ._compat import internals as compat
 from .cache import VegasCache
 from .graphs import StepGraphs
 from .sampling import LogitsPipeline, choose
@@ -107,8 +108,8 @@ class StepRunner:
             position_ids = (position_ids - left_pad[:, None]).clamp_min(0)
         # A prefill may start from embeddings (`generate(inputs_embeds=...)`): `(B, T, hidden)` floats.
         inputs = dict(inputs_embeds=ids) if ids.is_floating_point() else dict(input_ids=ids)
-        out = self.model(**inputs, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=logits_to_keep)
+        out = self.model(**inputs, position_ids=position_ids, use_cache=True, logits_to_keep=logits_to_keep,
+                         **{compat.CACHE_KEYWORD: self.cache})
         return out.logits
 
     def _replayed(self, ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from .cache import layer_types
 # What transformers' own preparation leaves in `model_kwargs` for a decoder-only model; anything else came from the
 # user and would be silently dropped, so it is refused.
 PREPARED_MODEL_KWARGS = {
-    "attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache", "inputs_embeds"
+    "attention_mask", "position_ids", "logits_to_keep", compat.CACHE_KEYWORD, "use_cache", "inputs_embeds"
 }
 EMPTY_OK = {"mm_encoder_outputs"}
 MEDIA_INPUTS = {"mm_encoder_outputs", "pixel_values", "pixel_values_videos", "image_sizes", "input_features",

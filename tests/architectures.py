@@ -19,6 +19,7 @@ from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import hf_vegas  # noqa: F401  (the "vegas" name)
+from hf_vegas._compat.internals import CACHE_KEYWORD
 
 # Size fields under their various names, and the tiny value each gets where a config has it.
 TINY = {
@@ -118,7 +119,7 @@ def check(model_type: str) -> tuple[str, str]:
             handle.remove()
     if not torch.equal(out.sequences, expected):
         return "different", "greedy tokens differ from vanilla"
-    cache = out.past_key_values
+    cache = getattr(out, CACHE_KEYWORD)
     sparse = f"{len(cache.full_layers)} of {len(cache.layers)} layers drafted sparsely"
     return "identical", sparse
 

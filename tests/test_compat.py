@@ -18,6 +18,7 @@ from transformers.generation.utils import GenerationMixin
 import hf_vegas
 from hf_vegas._compat import internals as compat
 from hf_vegas._compat import patches
+from hf_vegas._compat.internals import CACHE_KEYWORD
 from tiny_models import ragged_batch, tiny_model
 
 VERSION = transformers.__version__
@@ -81,15 +82,32 @@ def test_pad_token_tensor_is_set_before_a_callable_runs():
     assert pad is not None and int(pad) == 5, changed(name, f"is {pad!r} without a pad id, not the first EOS id")
 
 
+def test_the_cache_keyword_is_the_one_models_take_and_outputs_hold():
+    """`CACHE_KEYWORD` (`past_key_values`, `cache` from 5.24) is what a model's forward takes without a deprecation
+    warning and the field its output and `generate`'s hold the cache in (the prompt-cache tests check `generate`)."""
+    import warnings
+
+    name = "the cache keyword"
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([6, 4])
+    assert CACHE_KEYWORD in inspect.signature(type(model).forward).parameters, changed(name, f"`{CACHE_KEYWORD}` is "
+                                                                                       "not a forward parameter")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the deprecated keyword warns
+        out = model(ids, attention_mask=mask, use_cache=True, **{CACHE_KEYWORD: DynamicCache(config=model.config)})
+    assert isinstance(getattr(out, CACHE_KEYWORD), DynamicCache), changed(name, "does not name the output's cache")
+    assert getattr(out, CACHE_KEYWORD).get_seq_length() == ids.shape[1]
+
+
 def test_is_user_defined_marks_a_cache_the_user_passed_and_no_other():
     name = "Cache._is_user_defined"
     model = tiny_model("llama")
     ids = IDS[:1, 3:]
     passed = DynamicCache(config=model.config)
-    seen = probe_generate(model, ids, past_key_values=passed)
-    assert seen["model_kwargs"]["past_key_values"] is passed
-    assert compat.is_user_cache(passed), changed(name, "is not set on a cache passed as `past_key_values`")
-    built = probe_generate(model, ids)["model_kwargs"].get("past_key_values")
+    seen = probe_generate(model, ids, **{CACHE_KEYWORD: passed})
+    assert seen["model_kwargs"][CACHE_KEYWORD] is passed
+    assert compat.is_user_cache(passed), changed(name, f"is not set on a cache passed as `{CACHE_KEYWORD}`")
+    built = probe_generate(model, ids)["model_kwargs"].get(CACHE_KEYWORD)
     assert built is not None, changed(name, "no cache built for a call without one: hf_vegas's check has changed")
     assert not compat.is_user_cache(built), changed(name, "is set on the cache generate built itself")
 

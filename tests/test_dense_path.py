@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tiny_models import BUILDERS, ragged_batch, tiny_model
+from hf_vegas._compat.internals import CACHE_KEYWORD
 
 SHAPES = {"batch1": [40], "ragged3": [40, 29, 13]}
 
@@ -18,7 +19,7 @@ def test_dense_greedy_matches_vanilla(arch, shape):
     out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=0, return_dict_in_generate=True)
     torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
     assert bool((out.accepted[out.accepted >= 0] == 0).all()), "no drafts: every step keeps exactly one token"
-    assert not out.past_key_values.has_selection, "the dense path never selects"
+    assert not getattr(out, CACHE_KEYWORD).has_selection, "the dense path never selects"
 
 
 def test_dense_sampling_is_vanilla_token_for_token():

@@ -7,6 +7,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_vegas
 from hf_vegas.assisted import assisted_generate
+from hf_vegas._compat.internals import CACHE_KEYWORD
 from hub_folder import hub_folder
 from tiny_models import ragged_batch, tiny_model
 
@@ -73,7 +74,7 @@ def test_return_dict_reports_acceptance():
     out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
                          eos_token_id=None, custom_generate="vegas", return_dict_in_generate=True, **SPARSE)
     assert isinstance(out, hf_vegas.VegasGenerateOutput)
-    assert isinstance(out.past_key_values, hf_vegas.VegasCache)
+    assert isinstance(getattr(out, CACHE_KEYWORD), hf_vegas.VegasCache)
     assert out.accepted.shape[0] == 3 and int(out.accepted.max()) <= 4
     # The statistics account for the output: the prefill's token plus each active iteration's accepted drafts and
     # bonus make each row's 12 tokens, and the row's last iteration was needed for them.

@@ -10,6 +10,7 @@ from transformers.generation.utils import GenerationMixin
 import hf_vegas
 from hf_vegas import VegasConfig
 from hf_vegas.assisted import assisted_generate
+from hf_vegas._compat.internals import CACHE_KEYWORD
 from tiny_models import ragged_batch, tiny_model
 
 
@@ -138,10 +139,10 @@ def test_a_prefilled_cache_other_than_dynamic_is_refused(model_and_counter):
     model, forwards = model_and_counter
     cache = StaticCache(config=model.config, max_cache_len=64)
     with torch.no_grad():
-        model(IDS[:, :8], attention_mask=MASK[:, :8], past_key_values=cache)
+        model(IDS[:, :8], attention_mask=MASK[:, :8], **{CACHE_KEYWORD: cache})
     forwards.clear()
-    with pytest.raises(ValueError, match="past_key_values` must be a prefilled DynamicCache"):
-        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas", past_key_values=cache)
+    with pytest.raises(ValueError, match=f"{CACHE_KEYWORD}` must be a prefilled DynamicCache"):
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas", **{CACHE_KEYWORD: cache})
     assert forwards == []
 
 
@@ -149,10 +150,10 @@ def test_a_prompt_cache_holding_the_whole_prompt_is_refused(model_and_counter):
     model, forwards = model_and_counter
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(IDS, attention_mask=MASK, past_key_values=cache)
+        model(IDS, attention_mask=MASK, **{CACHE_KEYWORD: cache})
     forwards.clear()
     with pytest.raises(ValueError, match="at least one position the cache does not hold"):
-        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas", past_key_values=cache)
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas", **{CACHE_KEYWORD: cache})
     assert forwards == []
 
 
@@ -299,7 +300,7 @@ def test_an_empty_cache_the_user_passes_is_refused(model_and_counter):
     model, forwards = model_and_counter
     with pytest.raises(ValueError, match="empty DynamicCache"):
         model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas",
-                       past_key_values=DynamicCache(config=model.config))
+                       **{CACHE_KEYWORD: DynamicCache(config=model.config)})
     assert forwards == []
 
 
@@ -307,10 +308,10 @@ def test_a_prompt_cache_of_another_batch_or_shape_is_refused(model_and_counter):
     model, forwards = model_and_counter
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(IDS[:1, :8], past_key_values=cache)
+        model(IDS[:1, :8], **{CACHE_KEYWORD: cache})
     forwards.clear()
     with pytest.raises(ValueError, match="holds a batch of 1 rows; the prompt has 2"):
-        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas", past_key_values=cache)
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, custom_generate="vegas", **{CACHE_KEYWORD: cache})
     assert forwards == []
     # A cache already laid out (as a pooled one is) refuses a prompt cache of other heads.
     from hf_vegas import prompt_cache

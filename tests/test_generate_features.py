@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache, TemperatureLogitsWarper, TopKLogitsWarper
 
 import hf_vegas
+from hf_vegas._compat.internals import CACHE_KEYWORD
 from hub_folder import hub_folder
 from tiny_models import BUILDERS, ragged_batch, tiny_model
 
@@ -92,7 +93,7 @@ def test_inputs_embeds_matches_vanilla(arch, with_ids, entry):
 def _prefilled(model, length: int) -> DynamicCache:
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(IDS[:, :length], attention_mask=MASK[:, :length], past_key_values=cache)
+        model(IDS[:, :length], attention_mask=MASK[:, :length], **{CACHE_KEYWORD: cache})
     return cache
 
 
@@ -107,9 +108,9 @@ def test_prefilled_prompt_cache_matches_vanilla(arch, cached, entry):
     cache = _prefilled(model, cached)
     if arch == "gemma3" and cached == 20:
         assert cache.layers[0].keys.shape[2] < cached
-    expected = model.generate(IDS, **COMMON, past_key_values=copy.deepcopy(cache))
+    expected = model.generate(IDS, **COMMON, **{CACHE_KEYWORD: copy.deepcopy(cache)})
     before = [layer.keys.clone() for layer in cache.layers]
-    assert torch.equal(_vegas(model, entry, IDS, **COMMON, past_key_values=cache), expected)
+    assert torch.equal(_vegas(model, entry, IDS, **COMMON, **{CACHE_KEYWORD: cache}), expected)
     # hf_vegas copies the prompt cache and leaves it as it was (vanilla would extend it in place)
     assert all(torch.equal(layer.keys, old) for layer, old in zip(cache.layers, before))
 
@@ -119,8 +120,8 @@ def test_prompt_cache_with_embeddings_and_scores():
     embeds = model.get_input_embeddings()(IDS)
     cache = _prefilled(model, 30)
     kwargs = dict(COMMON, inputs_embeds=embeds, return_dict_in_generate=True, output_scores=True)
-    expected = model.generate(IDS, **kwargs, past_key_values=copy.deepcopy(cache))
-    out = _vegas(model, "short_name", IDS, **kwargs, past_key_values=cache)
+    expected = model.generate(IDS, **kwargs, **{CACHE_KEYWORD: copy.deepcopy(cache)})
+    out = _vegas(model, "short_name", IDS, **kwargs, **{CACHE_KEYWORD: cache})
     assert torch.equal(out.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(out.scores), torch.stack(expected.scores), rtol=1e-4, atol=1e-4)
 

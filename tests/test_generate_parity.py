@@ -21,6 +21,7 @@ from transformers import (
 from transformers.generation.utils import GenerationMixin
 
 import hf_vegas
+from hf_vegas._compat.internals import CACHE_KEYWORD
 import test_entry_points
 import test_real_model
 from distribution import chi_square_p_value, exact_distribution, vegas_samples
@@ -275,7 +276,7 @@ GENERATE_ARGUMENTS = {
     "custom_generate": "every test here",
     "attention_mask": "every test here",
     "inputs_embeds": "test_generate_features.py",
-    "past_key_values": "test_generate_features.py",
+    CACHE_KEYWORD: "test_generate_features.py",
     "tokenizer": "WITH_A_TOKENIZER",
 }
 

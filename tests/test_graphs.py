@@ -13,6 +13,7 @@ from hf_vegas import graphs
 from hf_vegas.cache import VegasCache
 from hf_vegas.runner import StepRunner
 from hf_vegas.config import VegasConfig
+from hf_vegas._compat.internals import CACHE_KEYWORD
 from tiny_models import BUILDERS, ragged_batch, tiny_model
 
 SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=8)
@@ -100,13 +101,13 @@ def test_graph_steps_return_vanilla_scores_logits_and_continue_a_prompt_cache(ga
     ids, mask = (t.cuda() for t in ragged_batch([70, 41, 52]))
     prompt_cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids[:, :30], attention_mask=mask[:, :30], past_key_values=prompt_cache)
+        model(ids[:, :30], attention_mask=mask[:, :30], **{CACHE_KEYWORD: prompt_cache})
     embeds = model.get_input_embeddings()(ids)
     common = dict(attention_mask=mask, max_new_tokens=16, pad_token_id=0, do_sample=False, inputs_embeds=embeds,
                   return_dict_in_generate=True, output_scores=True, output_logits=True, repetition_penalty=1.2)
-    vanilla = model.generate(ids, **common, past_key_values=copy.deepcopy(prompt_cache))
+    vanilla = model.generate(ids, **common, **{CACHE_KEYWORD: copy.deepcopy(prompt_cache)})
     extra = SPARSE if gamma else {}
-    out = model.generate(ids, **common, past_key_values=prompt_cache, custom_generate="vegas", vegas_gamma=gamma,
+    out = model.generate(ids, **common, **{CACHE_KEYWORD: prompt_cache}, custom_generate="vegas", vegas_gamma=gamma,
                          **extra)
     assert _pooled_graphs(model).replays > 0
     torch.testing.assert_close(out.sequences, vanilla.sequences, rtol=0, atol=0)
@@ -196,7 +197,8 @@ def test_graphs_are_reused_across_calls_and_recaptured_when_weights_move():
     cache = graphs.pooled_cache(model)
     second = _generate(model, second_ids, second_mask, vegas_gamma=4, do_sample=False)
     assert graphs.pooled_cache(model) is cache and _pooled_graphs(model) is steps
-    assert first.past_key_values is None and second.past_key_values is None, "outputs never hold the pooled cache"
+    assert getattr(first, CACHE_KEYWORD) is None and getattr(second, CACHE_KEYWORD) is None, \
+        "outputs never hold the pooled cache"
     assert steps.captures == 3, "the second call replays the first call's graphs"
     vanilla = model.generate(second_ids, attention_mask=second_mask, max_new_tokens=16, do_sample=False,
                              pad_token_id=0)
@@ -238,7 +240,7 @@ def test_cpu_runs_eagerly_and_says_why_once(caplog):
     assert model not in graphs._POOL, "nothing is pooled without graphs"
     reasons = [r.getMessage() for r in caplog.records if "eagerly" in r.getMessage()]
     assert reasons == ["hf_vegas runs its steps eagerly: CUDA graphs need a CUDA device, the model is on cpu."]
-    assert out.past_key_values.capacity == 40 + 16 + 2 * 3 + 1, "no bucket rounding without graphs"
+    assert getattr(out, CACHE_KEYWORD).capacity == 40 + 16 + 2 * 3 + 1, "no bucket rounding without graphs"
 
 
 @pytest.fixture
@@ -264,7 +266,7 @@ def test_pooled_cache_restarts_cleanly_and_a_failed_capture_falls_back(pooled_on
         for ids, mask in prompts:
             outputs.append(_generate(model, ids, mask, vegas_gamma=4, do_sample=False))
             caches.append(graphs.pooled_cache(model))
-    assert caches[1] is caches[0] and all(out.past_key_values is None for out in outputs)
+    assert caches[1] is caches[0] and all(getattr(out, CACHE_KEYWORD) is None for out in outputs)
     assert caches[0].capacity == graphs.CAPACITY_BUCKET
     for (ids, mask), out in zip(prompts, outputs):
         vanilla = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import hf_vegas
+from hf_vegas._compat.internals import CACHE_KEYWORD
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from tiny_models import BUILDERS, MORE_BUILDERS, ragged_batch, tiny_model
@@ -30,7 +31,7 @@ def test_greedy_matches_vanilla(arch, shape, gamma, ops, monkeypatch):
         ids, **common, custom_generate=hf_vegas.generate, vegas_gamma=gamma, return_dict_in_generate=True, **SPARSE
     )
     torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
-    cache = out.past_key_values
+    cache = getattr(out, CACHE_KEYWORD)
     assert cache.eager_ops == (ops == "eager")
     assert bool((cache.sel_count < cache.sel_end).all()), "the selection must drop tokens for this test to mean much"
     assert model.config._attn_implementation == "sdpa"
@@ -49,7 +50,7 @@ def test_eager_ops_draft_and_select_as_the_reference_does(arch, policy, shape, m
     eager_out = model.generate(ids, **common)
     monkeypatch.setattr(hf_vegas.cache, "uses_eager_ops", lambda backend, device: False)
     reference_out = model.generate(ids, **common)
-    assert eager_out.past_key_values.eager_ops and not reference_out.past_key_values.eager_ops
+    assert getattr(eager_out, CACHE_KEYWORD).eager_ops and not getattr(reference_out, CACHE_KEYWORD).eager_ops
     assert torch.equal(eager_out.accepted, reference_out.accepted)
     assert bool(((eager_out.accepted >= 0) & (eager_out.accepted < 4)).any()), "some drafts must be rejected"
 
@@ -64,7 +65,8 @@ def test_more_architectures_greedy_match_vanilla(arch, entry):
     custom = hf_vegas.generate if entry == "callable" else "vegas"
     out = model.generate(ids, **common, custom_generate=custom, vegas_gamma=4, return_dict_in_generate=True, **SPARSE)
     torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
-    assert out.past_key_values.full_layers == list(range(model.config.num_hidden_layers)), "every layer is sparse"
+    full_layers = getattr(out, CACHE_KEYWORD).full_layers
+    assert full_layers == list(range(model.config.num_hidden_layers)), "every layer is sparse"
 
 
 @pytest.mark.parametrize("policy", ["vegas", "streaming", "last_token"])

@@ -28,6 +28,7 @@ from transformers import (
     Starcoder2Config,
     Starcoder2ForCausalLM,
 )
+from hf_vegas._compat.internals import CACHE_KEYWORD
 
 VOCAB = 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, max_position_embeddings=1024)
@@ -124,4 +125,5 @@ def generation_cache(model, out):
     """The `VegasCache` a generation used: its own (returned in the output) or, with CUDA graphs, the pooled one."""
     from hf_vegas import graphs
 
-    return out.past_key_values if out.past_key_values is not None else graphs.pooled_cache(model)
+    own = getattr(out, CACHE_KEYWORD)
+    return own if own is not None else graphs.pooled_cache(model)
