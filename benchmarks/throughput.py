@@ -116,6 +116,7 @@ def vegas_config(method: str, args) -> hf_vegas.VegasConfig:
     if method == "dense":
         return hf_vegas.VegasConfig(gamma=0, compile=args.compile)
     return hf_vegas.VegasConfig(gamma=args.gamma, sparsity=args.sparsity, min_tokens=args.min_tokens,
+                                budget_boost=args.budget_boost,
                                 score=args.score, policy=method, compile=args.compile)
 
 
@@ -166,6 +167,9 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=6)
     parser.add_argument("--sparsity", type=float, default=0.07)
     parser.add_argument("--min-tokens", type=int, default=256)
+    parser.add_argument("--budget-boost", type=float, default=hf_vegas.VegasConfig.budget_boost,
+                        help="VegasConfig.budget_boost: up to this multiple of the budget for rows whose drafts are "
+                             "rejected")
     parser.add_argument("--score", default="weights")
     parser.add_argument("--compile", action="store_true", help="vegas_compile=True for our methods")
     parser.add_argument("--data-files", help="local file of prompt texts for `datasets` (default: Python's docs)")

@@ -83,7 +83,7 @@ def vegas_attention_forward(
         cache.selected_layers.add(module.layer_idx)
     if cache.mode == "draft" and full_layer:
         draft_attention = kernels.sparse_draft_attention if kernels else ops.sparse_draft_attention
-        extra = dict(list_len=cache.draft_list_len) if kernels else {}
+        extra = dict(list_len=cache.draft_list_len, split_len=cache.draft_split_len) if kernels else {}
         out = draft_attention(
             query, key, value, cache.query_slots, kv_len,
             cache.sel_idx[module.layer_idx], cache.sel_count, cache.sel_end, scaling, softcap, **extra, **extra_ops,

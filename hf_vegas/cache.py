@@ -148,11 +148,17 @@ class VegasCache(Cache):
         self._score_rows_by_shape: dict[tuple[str, int], torch.Tensor] = {}  # built once, outside any graph capture
         self.prefill_left_pad: list[int] | None = None
         self.mode = "verify"
-        # Largest budget any row can need: the selection buffers are sized once, so no step reallocates.
-        self.max_selected = vegas_config.budget(capacity)
+        # Largest budget any row can need (boosted): the selection buffers are sized once, so no step reallocates.
+        self.max_selected = vegas_config.max_budget(capacity)
         # A draft reads the selection plus the tail since `sel_end`: at most gamma accepted tokens and gamma drafts
         # (+1 for prefill's pending token). Kernels size their splits with it; it is a hint, never a cut.
-        self.draft_list_len = self.max_selected + 2 * vegas_config.gamma + 1
+        tail = 2 * vegas_config.gamma + 1
+        self.draft_list_len = self.max_selected + tail
+        # With a boost, no split of a draft's attention takes more than an unboosted list, so the boosted rows' longer
+        # lists run in more programs rather than longer ones (the kernel lasts as long as its longest program).
+        self.draft_split_len = vegas_config.budget(capacity) + tail if vegas_config.budget_boost > 1 else None
+        # Per row, a running average of "the last verification rejected a draft", which scales its budget.
+        self.rejection = torch.zeros(batch_size, dtype=torch.float32, device=self.device)
         self.sel_idx = torch.zeros(num_layers, batch_size, self.max_selected, **long)
         self.sel_count = torch.zeros(batch_size, **long)
         self.sel_end = torch.zeros(batch_size, **long)
@@ -225,7 +231,7 @@ class VegasCache(Cache):
             self.sel_end.copy_(self.lengths)
         else:
             self.sel_end.copy_(self.write_start + pending_row + 1)
-        self.sel_count.copy_(budget_tensor(self.sel_end, self.vegas_config))
+        self.sel_count.copy_(budget_tensor(self.sel_end, self.vegas_config, self.rejection))
         self.score_rows = self._score_rows(num_tokens, pending_row)
 
     def _score_rows(self, num_tokens: int, pending_row: int) -> torch.Tensor | None:
@@ -246,6 +252,13 @@ class VegasCache(Cache):
         draft layer (`hf_vegas.draft_layers`), which writes its keys itself, calls it in place of `update`."""
         if layer_idx == 0:
             self._start_forward(num_tokens)
+
+    def note_acceptance(self, accepted: torch.Tensor, active: torch.Tensor) -> None:
+        """After a verification: fold whether each active row rejected a draft into its `rejection` average (the
+        budget boost reads it). A no-op without a boost."""
+        if self.vegas_config.budget_boost > 1:
+            rejected = (accepted < self.vegas_config.gamma).to(self.rejection.dtype)
+            self.rejection.copy_(torch.where(active, 0.5 * (self.rejection + rejected), self.rejection))
 
     def rollback(self, new_lengths: torch.Tensor) -> None:
         """Set each row's committed length (drops rejected draft tokens; their slots are overwritten later)."""
@@ -303,6 +316,7 @@ class VegasCache(Cache):
         """
         self.lengths.zero_()
         self.row_active.fill_(True)
+        self.rejection.zero_()
         self.has_selection = False
         self.row_scores.clear()
         self.emitted_layers = []
@@ -338,8 +352,12 @@ def layer_types(text_config, reach: int | None = None) -> list[str]:
     return types
 
 
-def budget_tensor(candidates: torch.Tensor, config: VegasConfig) -> torch.Tensor:
-    """Per-row budget `clamp(ceil(sparsity * n), min_tokens, n)`; float64 so it equals `VegasConfig.budget`."""
+def budget_tensor(candidates: torch.Tensor, config: VegasConfig, rejection: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """Per-row budget `clamp(ceil(sparsity * n), min_tokens, n)`; float64 so it equals `VegasConfig.budget`. With a
+    `budget_boost` and each row's `rejection` average, scaled by `1 + (boost - 1) * rejection` (at most `n`)."""
     n = candidates.to(torch.float64)
     budget = torch.ceil(config.sparsity * n).clamp_min(config.min_tokens)
+    if rejection is not None and config.budget_boost > 1:
+        budget = torch.ceil(budget * (1 + (config.budget_boost - 1) * rejection.to(torch.float64)))
     return torch.minimum(budget, n).to(torch.long)

@@ -34,6 +34,12 @@ class VegasConfig:
             Fraction of the prefix that draft attention reads, in `(0, 1]`, per (sequence, full-attention layer).
         min_tokens (`int`, *optional*, defaults to 256):
             Lower bound of the per-sequence budget: `budget = clamp(ceil(sparsity * len), min_tokens, len)`.
+        budget_boost (`float`, *optional*, defaults to 1.0):
+            Up to this multiple of the budget for a sequence whose drafts are being rejected: each sequence's budget
+            is scaled by `1 + (budget_boost - 1) * r`, where `r` is a running average (half-life one iteration) of
+            whether its last verifications rejected a draft. A batch decodes until its slowest sequence is done,
+            and the slow ones are those whose drafts a small budget misleads; `1.0` gives every sequence the same
+            budget. Any value is lossless (drafts never decide the output).
         score (`str`, *optional*, defaults to `"weights"`):
             How verification rates prefix tokens: `"logits"` averages the raw attention logits of the first draft row
             and the bonus row over all query heads (paper Eq. 3); `"weights"` averages their softmax weights
@@ -67,6 +73,7 @@ class VegasConfig:
     gamma: int = 6
     sparsity: float = 0.07
     min_tokens: int = 256
+    budget_boost: float = 1.0
     score: str = "weights"
     policy: str = "vegas"
     backend: str = "auto"
@@ -88,6 +95,10 @@ class VegasConfig:
             raise ValueError(f"`vegas_sparsity` must be in (0, 1], got {self.sparsity!r}.")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 1:
             raise ValueError(f"`vegas_min_tokens` must be an integer >= 1, got {self.min_tokens!r}.")
+        boost = self.budget_boost
+        if isinstance(boost, bool) or not isinstance(boost, (int, float)) or not (1.0 <= float(boost) < math.inf):
+            raise ValueError(f"`vegas_budget_boost` must be a finite number >= 1.0 (1.0: the same budget for every "
+                             f"sequence), got {boost!r}.")
         for name, allowed in (("score", SCORES), ("policy", POLICIES), ("backend", BACKENDS)):
             value = getattr(self, name)
             if value not in allowed:
@@ -100,8 +111,12 @@ class VegasConfig:
                 )
 
     def budget(self, length: int) -> int:
-        """Number of prefix tokens a draft reads out of `length` candidates."""
+        """Number of prefix tokens a draft reads out of `length` candidates (before any boost)."""
         return min(max(math.ceil(self.sparsity * length), self.min_tokens), length)
+
+    def max_budget(self, length: int) -> int:
+        """The most prefix tokens a boosted sequence's draft reads out of `length` candidates."""
+        return min(math.ceil(self.budget(length) * float(self.budget_boost)), length)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -116,7 +131,7 @@ class VegasConfig:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(VegasConfig))
-SELECTION_FIELDS = ("sparsity", "min_tokens", "score", "policy")  # read only when drafting
+SELECTION_FIELDS = ("sparsity", "min_tokens", "budget_boost", "score", "policy")  # read only when drafting
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(VegasConfig)}
 FLAT_KEYS = tuple(f"vegas_{name}" for name in FIELDS)
 KEYS = ("vegas_config", *FLAT_KEYS)  # every `vegas_*` argument `generate` takes through hf_vegas

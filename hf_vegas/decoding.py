@@ -61,6 +61,7 @@ def generate(
     vegas_gamma: int | None = None,
     vegas_sparsity: float | None = None,
     vegas_min_tokens: int | None = None,
+    vegas_budget_boost: float | None = None,
     vegas_score: str | None = None,
     vegas_policy: str | None = None,
     vegas_backend: str | None = None,
@@ -75,8 +76,8 @@ def generate(
 
     Args:
         vegas_config (`VegasConfig` or `dict`, *optional*): all Vegas settings at once.
-        vegas_gamma, vegas_sparsity, vegas_min_tokens, vegas_score, vegas_policy, vegas_backend, vegas_cuda_graphs,
-            vegas_compile, vegas_fuse_projections (*optional*):
+        vegas_gamma, vegas_sparsity, vegas_min_tokens, vegas_budget_boost, vegas_score, vegas_policy, vegas_backend,
+            vegas_cuda_graphs, vegas_compile, vegas_fuse_projections (*optional*):
             override single fields of `vegas_config` (see [`VegasConfig`]).
 
     Returns:
@@ -85,8 +86,8 @@ def generate(
     """
     config = resolve_config(
         vegas_config, vegas_gamma=vegas_gamma, vegas_sparsity=vegas_sparsity, vegas_min_tokens=vegas_min_tokens,
-        vegas_score=vegas_score, vegas_policy=vegas_policy, vegas_backend=vegas_backend,
-        vegas_cuda_graphs=vegas_cuda_graphs, vegas_compile=vegas_compile,
+        vegas_budget_boost=vegas_budget_boost, vegas_score=vegas_score, vegas_policy=vegas_policy,
+        vegas_backend=vegas_backend, vegas_cuda_graphs=vegas_cuda_graphs, vegas_compile=vegas_compile,
         vegas_fuse_projections=vegas_fuse_projections,
     )
     # transformers does not forward `streamer` or `synced_gpus` to custom_generate callables; take them from its
@@ -249,6 +250,8 @@ class _Loop:
             n, chunk, scores, keep, stopped = self._accept(logits, drafts, draft_scores, budget, self.stopper.eos)
         if self.cache.row_scores:  # `last_token` policy selects from the row that produced the kept token
             select_from_rows(self.cache, n)
+        if drafts is not None:
+            cache.note_acceptance(n, active)  # the next selection's budget (`VegasConfig.budget_boost`)
         keep = self._commit(chunk, keep, stopped, active)  # 0 for inactive rows
         if self.recorder.active:
             self.recorder.add(scores, logits, self.kept)

@@ -157,6 +157,7 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
     attn = kernels.sparse_draft_attention(
         q.transpose(1, 2), store.keys, store.values, cache.query_slots, cache.attend_lengths,
         cache.sel_idx[parts.layer_idx], cache.sel_count, cache.sel_end, parts.scaling, list_len=cache.draft_list_len,
+        split_len=cache.draft_split_len,
     )
     # The layer's input belongs to the caller: the first residual sum is a new tensor, the second adds in place.
     x = torch.addmm(x, attn.reshape(batch * tokens, -1), parts.o_weight.t())

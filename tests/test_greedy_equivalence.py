@@ -5,6 +5,7 @@ import torch
 
 import hf_vegas
 from hf_vegas._compat.internals import CACHE_KEYWORD
+from hf_vegas.cache import budget_tensor
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from tiny_models import BUILDERS, MORE_BUILDERS, ragged_batch, tiny_model
@@ -80,6 +81,24 @@ def test_every_policy_and_score_is_lossless(policy, score):
         ids, **common, custom_generate="vegas", vegas_gamma=4, vegas_policy=policy, vegas_score=score, **SPARSE
     )
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("ops", ["reference", "eager"])
+def test_a_boosted_budget_is_lossless_and_grows_the_rejecting_rows_budget(ops, monkeypatch):
+    """`budget_boost`: rows whose drafts were rejected draft from more slots; the tokens stay vanilla's."""
+    if ops == "reference":
+        monkeypatch.setattr(hf_vegas.cache, "uses_eager_ops", lambda backend, device: False)
+    model = tiny_model("llama", seed=1)
+    ids, mask = ragged_batch([70, 44], seed=1)
+    common = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **common)
+    out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=4, vegas_budget_boost=3.0,
+                         return_dict_in_generate=True, **SPARSE)
+    assert torch.equal(out.sequences, expected)
+    cache = getattr(out, CACHE_KEYWORD)
+    assert (out.accepted[:, :-1] < 4).any() and cache.rejection.max() > 0, "some draft was rejected: a boost ran"
+    plain = budget_tensor(cache.sel_end, cache.vegas_config)
+    assert torch.equal(cache.sel_count > plain, cache.rejection > 0), "exactly the rejecting rows got more slots"
 
 
 def test_dense_budget_accepts_every_draft():

@@ -15,6 +15,7 @@ from kernel_cases import DEVICE, dense_readable, import_kernels, make_case, pois
 kernels = import_kernels()
 from hf_vegas_kernels import _launch  # noqa: E402
 from hf_vegas_kernels import attention as attention_kernels  # noqa: E402
+from hf_vegas_kernels.attention import _num_splits  # noqa: E402
 
 # (head_dim, query heads, KV heads): GQA groups 1, 3, 4 and 8.
 HEADS = [(64, 2, 2), (128, 6, 2), (256, 8, 2), (64, 8, 1)]
@@ -90,6 +91,24 @@ def test_split_hint_changes_balance_not_result(list_len):
     case = make_case([200, 150], [3, 5], 1, 64, 4, 2, seed=3)
     args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
     got = kernels.sparse_draft_attention(case.q, case.k, case.v, *args, list_len=list_len)
+    _assert_close(got, reference.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
+
+
+@pytest.mark.parametrize("waves", [0, 2])
+def test_a_split_length_gives_long_lists_more_programs(monkeypatch, combine_launches, waves):
+    """`split_len` (the budget boost's hint): a row whose list is several times the others' runs in several splits
+    of at most that length, the short rows in the first; the result is the reference's, nothing unselected is read."""
+    monkeypatch.setitem(_launch.TUNING, "sparse", {**_launch.TUNING["sparse"], "block_n": 16, "waves": waves,
+                                                  "nearest": True})
+    case = make_case([300, 90, 61], [3, 2, 3], 1, 64, 6, 2, seed=21, sparsity=0.5)  # lists of 151, 46, 32 entries
+    # 10 blocks of 16; at most 4 blocks (64 >= 50 entries) per split: 3 splits, where one split would do without
+    assert _num_splits(151, 6, 16, waves, case.q.device, True, split_len=50) == (3, 64)
+    assert _num_splits(151, 6, 16, waves, case.q.device, True) == (1, 160)
+    readable = sparse_readable(case)
+    args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
+    got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args,
+                                         list_len=151, split_len=50)
+    assert combine_launches, "several splits: their states were combined"
     _assert_close(got, reference.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from hf_vegas import VegasConfig
 from hf_vegas.attention import active_cache, vegas_attention_forward
-from hf_vegas.cache import VegasCache
+from hf_vegas.cache import VegasCache, budget_tensor
 from hf_vegas.ops import eager, reference
 from tiny_models import tiny_model
 
@@ -72,6 +72,32 @@ def test_verify_selection_is_eq3(score, groups):
 @pytest.mark.parametrize("length,expected", [(100, 100), (4000, 280), (10, 10), (3658, 257), (3657, 256)])
 def test_budget(length, expected):
     assert VegasConfig().budget(length) == expected == min(max(math.ceil(0.07 * length), 256), length)
+
+
+def test_a_row_whose_drafts_are_rejected_gets_a_boosted_budget():
+    """`budget_boost`: each row's budget scales with its running rejection average, within the buffer sized for the
+    largest boost; rows that accept everything keep the plain budget, finished rows keep their average."""
+    config = VegasConfig(gamma=4, sparsity=0.1, min_tokens=8, budget_boost=3.0)
+    model_config = types.SimpleNamespace(
+        get_text_config=lambda decoder=True: types.SimpleNamespace(num_hidden_layers=1, layer_types=None)
+    )
+    cache = VegasCache(model_config, 3, capacity=400, vegas_config=config)
+    assert cache.max_selected == config.max_budget(400) == 120
+    accepted, active = torch.tensor([4, 1, 0]), torch.tensor([True, True, False])
+    cache.note_acceptance(accepted, active)
+    assert cache.rejection.tolist() == [0.0, 0.5, 0.0]
+    cache.note_acceptance(accepted, torch.tensor([True, True, True]))
+    assert cache.rejection.tolist() == [0.0, 0.75, 0.5]
+    candidates = torch.tensor([300, 300, 50])
+    expected = [30, math.ceil(30 * (1 + 2 * 0.75)), 8 * 2]  # plain, boosted, the floor boosted
+    assert budget_tensor(candidates, config, cache.rejection).tolist() == expected
+    assert budget_tensor(torch.tensor([300, 12, 50]), config, cache.rejection)[1] == 12, "never past the candidates"
+    assert budget_tensor(candidates, config).tolist() == [30, 30, 8]
+    cache.restart()
+    assert not cache.rejection.any(), "a new generation starts unboosted"
+    plain = VegasCache(model_config, 3, capacity=400, vegas_config=VegasConfig(gamma=4, sparsity=0.1, min_tokens=8))
+    plain.note_acceptance(accepted, active)
+    assert not plain.rejection.any() and plain.draft_split_len is None, "without a boost nothing is tracked"
 
 
 def test_draft_mask_is_selection_plus_tail():

@@ -98,6 +98,34 @@ def test_triton_policies_match_reference_backend(policy, score):
     assert torch.equal(triton_out.accepted, torch_out.accepted)
 
 
+def test_triton_boosted_budget_matches_reference_backend(monkeypatch):
+    """`budget_boost`: the boosted rows' longer lists run in more splits of the draft kernel (`split_len`; 8-slot
+    blocks here, so these short lists need them); selections, acceptance and tokens stay the reference backend's."""
+    from hf_vegas_kernels import _launch
+    from hf_vegas_kernels import attention as attention_kernels
+
+    monkeypatch.setitem(_launch.TUNING, "sparse", {**_launch.TUNING["sparse"], "block_n": 16, "waves": 0})
+    splits = []
+    num_splits = attention_kernels._num_splits
+
+    def recorded(list_len, programs, block_n, waves, device, nearest=False, split_len=None):
+        result = num_splits(list_len, programs, block_n, waves, device, nearest, split_len)
+        if split_len is not None:  # a draft (dense and verify kernels pass none)
+            splits.append(result[0])
+        return result
+
+    monkeypatch.setattr(attention_kernels, "_num_splits", recorded)
+    model, ids, mask = _on_device(tiny_model("mistral", seed=1), *ragged_batch([70, 44], seed=1))
+    common = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, custom_generate="vegas",
+                  vegas_gamma=3, vegas_budget_boost=4.0, return_dict_in_generate=True, **SPARSE)
+    torch_out = model.generate(ids, **common, vegas_backend="torch")
+    triton_out = model.generate(ids, **common, vegas_backend="triton")
+    assert (torch_out.accepted < 3).any(), "some draft was rejected: a boost ran"
+    assert max(splits) > 1, "the boosted lists took several splits"
+    assert torch.equal(triton_out.sequences, torch_out.sequences)
+    assert torch.equal(triton_out.accepted, torch_out.accepted)
+
+
 def test_triton_sampling_draws_the_same_tokens_as_reference_backend():
     """Sampling uses the kernels' draft and target probabilities and top-p filter; with one seed both backends draw
     alike."""

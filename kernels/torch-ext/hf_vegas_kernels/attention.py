@@ -248,15 +248,19 @@ def _combine_splits(
              tl.where(seen, top + tl.log(tl.where(seen, l_total, 1.0)), float("-inf")), mask=m_ok)
 
 
-def _num_splits(list_len: int, programs: int, block_n: int, waves: float, device, nearest: bool = False):
+def _num_splits(list_len: int, programs: int, block_n: int, waves: float, device, nearest: bool = False,
+                split_len: int | None = None):
     """(splits, chunk): enough programs to fill the GPU `waves` times (rounded up, or to the nearest count), each
-    chunk a multiple of the block; `waves` 0: one split per (row, KV head). One split writes the output itself."""
+    chunk a multiple of the block; `waves` 0: one split per (row, KV head). One split writes the output itself.
+    `split_len`: at least enough splits that none spans more than `split_len` entries (rounded up to blocks)."""
     blocks = max(triton.cdiv(max(list_len, 1), block_n), 1)
+    fewest = 1 if split_len is None else triton.cdiv(blocks, max(triton.cdiv(split_len, block_n), 1))
     if waves == 0:
-        return 1, blocks * block_n
-    wanted = waves * _launch.device_sm_count(device) / programs
-    want = max(round(wanted) if nearest else math.ceil(wanted), 1)
-    splits = min(want, blocks)
+        want = 1
+    else:
+        wanted = waves * _launch.device_sm_count(device) / programs
+        want = max(round(wanted) if nearest else math.ceil(wanted), 1)
+    splits = min(max(want, fewest), blocks)
     chunk = triton.cdiv(blocks, splits) * block_n
     return triton.cdiv(blocks * block_n, chunk), chunk
 
@@ -264,6 +268,7 @@ def _num_splits(list_len: int, programs: int, block_n: int, waves: float, device
 def attend(
     q, k_cache, v_cache, q_slot, kv_len, scaling: float, *, tail_start, list_len: int,
     sel_idx=None, sel_count=None, softcap=None, window=None, score_rows=None, emit: int = EMIT_NONE, sinks=None,
+    split_len: int | None = None,
 ):
     """Attention of `q` `(B, Hq, T, D)` over each row's slot list. Returns `(out (B, T, Hq, Dv), lse (B, T, Hq),
     emitted)`; `emitted` is `(B, R, heads, S)` fp32 logits of the `score_rows` (R of them), indexed by slot, or None.
@@ -297,7 +302,7 @@ def attend(
     q = q if q.stride(-1) == 1 else q.contiguous()
     device = q.device
     splits, chunk = _num_splits(list_len, batch * kv_heads, block_n, tuning["waves"], device,
-                                tuning.get("nearest", False))
+                                tuning.get("nearest", False), split_len)
 
     f32 = {"dtype": torch.float32, "device": device}
     out = _launch.empty(batch, num_tokens, q_heads, v_dim, dtype=q.dtype, device=device)

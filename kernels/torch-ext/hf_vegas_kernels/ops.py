@@ -9,16 +9,19 @@ from .attention import EMIT_GROUP_SUM, EMIT_PER_HEAD, attend
 
 
 def sparse_draft_attention(
-    q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None, list_len=None, sinks=None
+    q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None, list_len=None, sinks=None,
+    split_len=None,
 ):
     """Draft attention over `sel_idx[b, :sel_count[b]]` plus the tail `[sel_end[b], kv_len[b])`. `(B, T, Hq, Dv)`.
 
     `list_len` bounds `sel_count + tail` on the host (it only balances the splits); default: the selection width.
+    `split_len`: no split takes more entries than this (rounded up to the kernel's block), so rows with longer lists
+    than most take more programs, not longer ones. Both are hints: they change the balance, never the result.
     """
     hint = list_len if list_len is not None else sel_idx.shape[1]
     out, _, _ = attend(
         q, k_cache, v_cache, q_slot, kv_len, scaling, tail_start=sel_end, list_len=hint,
-        sel_idx=sel_idx, sel_count=sel_count, softcap=softcap, sinks=sinks,
+        sel_idx=sel_idx, sel_count=sel_count, softcap=softcap, sinks=sinks, split_len=split_len,
     )
     return out
 
