@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 import hf_vegas
 from gpu_timing import copy_bandwidth, graph_time, read_bandwidth  # benchmarks/ is the script's directory
+from launch_tuning import apply_tuning
 from provenance import commit, dirty
 
 # Attention shapes of the two reference models: (query heads, KV heads, head dim, full-attention layers).
@@ -159,23 +160,6 @@ def sweep(name, batch, context, dtype, bandwidth, base, write, draft_only=False)
         _launch.TUNING.update(default)
 
 
-def _apply_tuning(overrides: list[str]) -> dict:
-    """Set `KIND:KEY=VALUE` overrides into `_launch.TUNING` (values are ints, or floats); returns them as a dict."""
-    from hf_vegas_kernels import _launch
-
-    tables = {**_launch.TUNING, "select": _launch.SELECT_TUNING}
-    applied = {}
-    for item in overrides:
-        kind, _, setting = item.partition(":")
-        key, _, value = setting.partition("=")
-        if kind not in tables or not key or not value:
-            raise SystemExit(f"--tuning {item!r}: expected KIND:KEY=VALUE with KIND one of {sorted(tables)}")
-        number = float(value)
-        tables[kind][key] = int(number) if number.is_integer() else number
-        applied[f"{kind}:{key}"] = tables[kind][key]
-    return applied
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -194,7 +178,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernel_bandwidth.py needs a CUDA GPU.")
     dtype = getattr(torch, args.dtype)
-    overrides = _apply_tuning(args.tuning)
+    overrides = apply_tuning(args.tuning)
     bandwidth = copy_bandwidth()
     base = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "transformers": transformers.__version__, "hf_vegas": hf_vegas.__version__,

@@ -32,6 +32,7 @@ import hf_vegas
 import traffic
 import workloads
 from gpu_timing import read_bandwidth
+from launch_tuning import apply_tuning
 from provenance import gpu_run
 from results_io import append_records, read_records
 from step_timer import FirstTokenClock, IterationTimes
@@ -179,6 +180,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.jsonl"))
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--tuning", nargs="+", default=[], metavar="KIND:KEY=VALUE",
+                        help="override a kernel launch setting for this run, e.g. sparse:fused_combine=1 (recorded)")
     parser.add_argument("--inductor", nargs="+", default=[], metavar="OPTION=VALUE",
                         help="torch._inductor.config options for the compiled steps, e.g. combo_kernels=True "
                              "(recorded with the results; to measure which compiler levers pay)")
@@ -192,12 +195,13 @@ def main() -> None:
         args.decodings = ["greedy"] if args.sweep else list(DECODINGS)
     plan = [workloads.parse_workload(w) for w in args.workloads]  # bad input fails before any GPU work
     inductor = _inductor_options(args.inductor)
+    tuning = apply_tuning(args.tuning)
     plan.sort(key=lambda w: not w.real_weights)  # real models first: the projections need their tokens/iteration
 
     bandwidth = read_bandwidth()
     base = gpu_run(args.commit, transformers=transformers.__version__, hf_vegas=hf_vegas.__version__,
                    dtype="bfloat16", read_bandwidth_GBps=bandwidth / 1e9,
-                   **({"inductor": inductor} if inductor else {}))
+                   **({"inductor": inductor} if inductor else {}), **({"tuning_overrides": tuning} if tuning else {}))
     for option, value in inductor.items():
         setattr(torch._inductor.config, option, value)
     texts = None
