@@ -34,12 +34,13 @@ class VegasConfig:
             Fraction of the prefix that draft attention reads, in `(0, 1]`, per (sequence, full-attention layer).
         min_tokens (`int`, *optional*, defaults to 256):
             Lower bound of the per-sequence budget: `budget = clamp(ceil(sparsity * len), min_tokens, len)`.
-        budget_boost (`float`, *optional*, defaults to 1.0):
+        budget_boost (`float`, *optional*, defaults to 2.0):
             Up to this multiple of the budget for a sequence whose drafts are being rejected: each sequence's budget
             is scaled by `1 + (budget_boost - 1) * r`, where `r` is a running average (half-life one iteration) of
             whether its last verifications rejected a draft. A batch decodes until its slowest sequence is done,
             and the slow ones are those whose drafts a small budget misleads; `1.0` gives every sequence the same
-            budget. Any value is lossless (drafts never decide the output).
+            budget. Any value is lossless (drafts never decide the output). 2.0 measured best on SmolLM2 at batch
+            64 x 7.5K on an H100 (README, "Budget boost").
         score (`str`, *optional*, defaults to `"weights"`):
             How verification rates prefix tokens: `"logits"` averages the raw attention logits of the first draft row
             and the bonus row over all query heads (paper Eq. 3); `"weights"` averages their softmax weights
@@ -73,7 +74,7 @@ class VegasConfig:
     gamma: int = 6
     sparsity: float = 0.07
     min_tokens: int = 256
-    budget_boost: float = 1.0
+    budget_boost: float = 2.0
     score: str = "weights"
     policy: str = "vegas"
     backend: str = "auto"

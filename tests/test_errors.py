@@ -38,7 +38,7 @@ BAD = [
     (dict(vegas_budget_boost=0.5), "vegas_budget_boost"),
     (dict(vegas_budget_boost=float("inf")), "vegas_budget_boost"),
     (dict(vegas_budget_boost=True), "vegas_budget_boost"),
-    (dict(vegas_gamma=0, vegas_budget_boost=2.0), "vegas_budget_boost"),
+    (dict(vegas_gamma=0, vegas_budget_boost=3.0), "vegas_budget_boost"),
     (dict(vegas_score="softmax"), "vegas_score"),
     (dict(vegas_policy="quest"), "vegas_policy"),
     (dict(vegas_backend="cuda"), "vegas_backend"),

@@ -95,7 +95,8 @@ def test_a_row_whose_drafts_are_rejected_gets_a_boosted_budget():
     assert budget_tensor(candidates, config).tolist() == [30, 30, 8]
     cache.restart()
     assert not cache.rejection.any(), "a new generation starts unboosted"
-    plain = VegasCache(model_config, 3, capacity=400, vegas_config=VegasConfig(gamma=4, sparsity=0.1, min_tokens=8))
+    unboosted = VegasConfig(gamma=4, sparsity=0.1, min_tokens=8, budget_boost=1.0)
+    plain = VegasCache(model_config, 3, capacity=400, vegas_config=unboosted)
     plain.note_acceptance(accepted, active)
     assert not plain.rejection.any() and plain.draft_split_len is None, "without a boost nothing is tracked"
 
