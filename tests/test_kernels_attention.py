@@ -32,6 +32,13 @@ def nan_scratch(monkeypatch):
 
 
 @pytest.fixture
+def interpreter_sms(monkeypatch):
+    """The interpreter's 4 "SMs" on any device, so a test that counts splits or launches sees the same grid on a GPU
+    (which has far more SMs, so far more splits) as on the CPU."""
+    monkeypatch.setattr(_launch, "device_sm_count", lambda device: 4)
+
+
+@pytest.fixture
 def combine_launches(monkeypatch):
     """Counts launches of the split-combine kernel, to tell which path a call took (the paths compute the same)."""
     launches = []
@@ -95,7 +102,7 @@ def test_split_hint_changes_balance_not_result(list_len):
 
 
 @pytest.mark.parametrize("waves", [0, 2])
-def test_a_split_length_gives_long_lists_more_programs(monkeypatch, combine_launches, waves):
+def test_a_split_length_gives_long_lists_more_programs(monkeypatch, interpreter_sms, combine_launches, waves):
     """`split_len` (the budget boost's hint): a row whose list is several times the others' runs in several splits
     of at most that length, the short rows in the first; the result is the reference's, nothing unselected is read."""
     monkeypatch.setitem(_launch.TUNING, "sparse", {**_launch.TUNING["sparse"], "block_n": 16, "waves": waves,
@@ -194,7 +201,8 @@ def test_one_split_writes_what_the_combine_would(monkeypatch, head_dim, q_heads,
 
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", [HEADS[1], HEADS[3]])
 @pytest.mark.parametrize("tokens", [1, 7])
-def test_the_last_split_merges_in_the_kernel(monkeypatch, combine_launches, head_dim, q_heads, kv_heads, tokens):
+def test_the_last_split_merges_in_the_kernel(monkeypatch, interpreter_sms, combine_launches, head_dim, q_heads,
+                                            kv_heads, tokens):
     """`fused_combine`: the last split of each (row, KV head) merges the others' states in the kernel. Every kind
     against the reference, the log-sum-exp equal to the combine launch's, and the tickets zero again after each launch
     (a second round reuses them). Six waves of the interpreter's 4 "SMs" give 4 to 8 splits of these lists: all
@@ -256,7 +264,8 @@ def test_a_larger_ticket_buffer_keeps_the_replaced_one_alive(monkeypatch):
 # one split writing its result, splits and the combine launch, splits merged by the last one in the kernel
 @pytest.mark.parametrize("waves,fused", [(0, False), (6, False), (6, True)])
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", [HEADS[1], HEADS[3]])
-def test_sinks_in_every_kernel(monkeypatch, combine_launches, head_dim, q_heads, kv_heads, waves, fused):
+def test_sinks_in_every_kernel(monkeypatch, interpreter_sms, combine_launches, head_dim, q_heads, kv_heads, waves,
+                               fused):
     """gpt-oss' per-head sink logits: draft, dense (also windowed) and verify kernels against the reference, and the
     verification's softmax-weight scores against the reference's weights with the sinks in their denominators."""
     sinks = torch.linspace(-2.0, 3.0, q_heads, device=DEVICE)
