@@ -1,4 +1,4 @@
-"""The "vegas" attention function: draft (sparse) or verify/prefill (full + selection), per `VegasCache.mode`.
+"""The "vegas" attention function: draft (sparse) or verify/prefill (full + selection), per the cache's step plan.
 
 It is registered through `transformers.AttentionInterface` and reaches the active cache through a context
 variable set by whoever drives the forwards (`hf_vegas.generate`, or `hf_vegas.assisted.assisted_generate`):
@@ -72,35 +72,36 @@ def vegas_attention_forward(
         )
     kernels = _kernels_for(cache, query, key)
     ops = _torch_ops(cache)
+    plan, sel = cache.plan, cache.selection
     extra_ops = {} if sinks is None else dict(sinks=sinks)
     # The kernels skip finished rows (length 0: they read nothing and output zeros, which nothing uses). The plain
     # PyTorch ops keep every row's length: a row of length 0 would give them an all-masked softmax (NaN).
-    kv_len = cache.attend_lengths if kernels else cache.lengths
+    kv_len = plan.attend_lengths if kernels else plan.lengths
     # A layer may attend more than once per forward (DiffLlama: two value halves over the same keys and queries).
     # The scores depend on queries and keys only, so the layer selects at its first call.
-    selecting = full_layer and cache.selecting and module.layer_idx not in cache.selected_layers
+    selecting = full_layer and sel.selecting(plan.mode) and module.layer_idx not in sel.selected_layers
     if selecting:
-        cache.selected_layers.add(module.layer_idx)
-    if cache.mode == "draft" and full_layer:
+        sel.selected_layers.add(module.layer_idx)
+    if plan.mode == "draft" and full_layer:
         draft_attention = kernels.sparse_draft_attention if kernels else ops.sparse_draft_attention
-        extra = dict(list_len=cache.draft_list_len, split_len=cache.draft_split_len) if kernels else {}
+        extra = dict(list_len=sel.draft_list_len, split_len=sel.draft_split_len) if kernels else {}
         out = draft_attention(
-            query, key, value, cache.query_slots, kv_len,
-            cache.sel_idx[module.layer_idx], cache.sel_count, cache.sel_end, scaling, softcap, **extra, **extra_ops,
+            query, key, value, plan.query_slots, kv_len, sel.sel_idx[module.layer_idx], sel.sel_count, sel.sel_end,
+            scaling, softcap, **extra, **extra_ops,
         )
-    elif kernels is not None and selecting and cache.score_rows is not None:
+    elif kernels is not None and selecting and sel.score_rows is not None:
         out, emitted, lse = kernels.verify_attention(
-            query, key, value, cache.query_slots, kv_len, scaling, cache.score_rows,
-            cache.vegas_config.score, softcap, **extra_ops,
+            query, key, value, plan.query_slots, kv_len, scaling, sel.score_rows, cache.vegas_config.score, softcap,
+            **extra_ops,
         )
         _select_from_emitted(cache, kernels, module.layer_idx, emitted, lse, query.shape[1])
     else:
         plain = softcap is None and sliding_window is None and sinks is None
-        if cache.prefill_left_pad is not None and plain:
-            out = prefill.causal_per_row(query, key, value, cache.prefill_left_pad, scaling)
+        if plan.prefill_left_pad is not None and plain:
+            out = prefill.causal_per_row(query, key, value, plan.prefill_left_pad, scaling)
         else:
             dense = kernels.dense_attention if kernels else ops.dense_attention
-            out = dense(query, key, value, cache.query_slots, kv_len, scaling, sliding_window, softcap, **extra_ops)
+            out = dense(query, key, value, plan.query_slots, kv_len, scaling, sliding_window, softcap, **extra_ops)
         if selecting:
             _select(cache, module.layer_idx, query, key, scaling, softcap, sinks)
     return out, None
@@ -130,60 +131,59 @@ def _select_from_emitted(cache: VegasCache, kernels, layer_idx: int, emitted, ls
 
     Each layer's scores wait in an `(L, B, S)` scratch; at the last full layer all of them select in one launch.
     """
-    config = cache.vegas_config
-    if cache.policy.deferred(cache.mode):  # every scored row's scores, until acceptance
-        cache.row_scores[layer_idx] = kernels.finalize_scores(
-            emitted, lse, cache.score_rows, cache.sel_end, q_heads, config.score == "weights", mean_rows=False
-        )
+    sel, weights = cache.selection, cache.vegas_config.score == "weights"
+    if sel.policy.deferred(cache.plan.mode):  # every scored row's scores, until acceptance
+        sel.row_scores[layer_idx] = kernels.finalize_scores(emitted, lse, sel.score_rows, sel.sel_end, q_heads,
+                                                            weights, mean_rows=False)
         return
-    layer_scores = cache.layer_scores(emitted.shape[-1])
-    kernels.finalize_scores(emitted, lse, cache.score_rows, cache.sel_end, q_heads, config.score == "weights",
-                            mean_rows=True, out=layer_scores[layer_idx][:, None])
-    cache.emitted_layers.append(layer_idx)
+    layer_scores = sel.layer_scores(emitted.shape[-1])
+    kernels.finalize_scores(emitted, lse, sel.score_rows, sel.sel_end, q_heads, weights, mean_rows=True,
+                            out=layer_scores[layer_idx][:, None])
+    sel.emitted_layers.append(layer_idx)
     _flush_emitted(cache, layer_idx)
 
 
 def _flush_emitted(cache: VegasCache, layer_idx: int) -> None:
     """At the forward's last full layer, select for every layer whose scores the kernels emitted."""
-    if layer_idx != cache.full_layers[-1] or not cache.emitted_layers:
+    sel = cache.selection
+    if layer_idx != sel.full_layers[-1] or not sel.emitted_layers:
         return
-    if cache.emitted_layers == cache.full_layers:  # the usual case, with a prebuilt index (no copy, graph-safe)
-        layers = cache.full_layer_index
+    if sel.emitted_layers == sel.full_layers:  # the usual case, with a prebuilt index (no copy, graph-safe)
+        layers = sel.full_layer_index
     else:
-        layers = torch.tensor(cache.emitted_layers, device=cache.full_layer_index.device)
-    backend.kernels().select_topk(cache.layer_scores(0), cache.sel_count, cache.sel_end, cache.selection_buffer(),
-                                  layers=layers)
-    cache.emitted_layers = []
+        layers = torch.tensor(sel.emitted_layers, device=sel.full_layer_index.device)
+    backend.kernels().select_topk(sel.layer_scores(0), sel.sel_count, sel.sel_end, sel.buffer(), layers=layers)
+    sel.emitted_layers = []
 
 
 def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap, sinks=None) -> None:
     """Choose the next draft's slots for this layer from this prefill/verify forward (no host sync)."""
-    config = cache.vegas_config
-    if cache.score_rows is None:  # a policy that selects by position alone
-        cache.store_selection(layer_idx, cache.policy.select_by_position(cache.sel_count, cache.sel_end,
-                                                                         cache.max_selected))
+    plan, sel, config = cache.plan, cache.selection, cache.vegas_config
+    if sel.score_rows is None:  # a policy that selects by position alone
+        sel.store(layer_idx, sel.policy.select_by_position(sel.sel_count, sel.sel_end, sel.max_selected))
         return
-    rows, q_slot = cache.score_rows, cache.query_slots
+    rows, q_slot = sel.score_rows, plan.query_slots
     scores = _torch_ops(cache).row_scores(
-        query[:, :, rows], key, q_slot[:, rows], cache.lengths, cache.sel_end, scaling, config.score, softcap,
+        query[:, :, rows], key, q_slot[:, rows], plan.lengths, sel.sel_end, scaling, config.score, softcap,
         sinks=sinks,
     )
-    if cache.policy.deferred(cache.mode):
-        cache.row_scores[layer_idx] = scores
+    if sel.policy.deferred(plan.mode):
+        sel.row_scores[layer_idx] = scores
         return
-    cache.store_selection(layer_idx, reference.select_topk(scores.mean(dim=1), cache.max_selected))
+    sel.store(layer_idx, reference.select_topk(scores.mean(dim=1), sel.max_selected))
     _flush_emitted(cache, layer_idx)  # earlier layers of this forward may have taken the kernel path
 
 
 def select_from_rows(cache: VegasCache, rows: torch.Tensor) -> None:
     """A deferring policy (`last_token`): select, per row `b`, from the scores of verify row `rows[b]`."""
-    for layer_idx, scores in cache.row_scores.items():
-        picked = scores[cache.row_index, rows]  # (B, S)
+    sel = cache.selection
+    for layer_idx, scores in sel.row_scores.items():
+        picked = scores[cache.plan.row_index, rows]  # (B, S)
         if cache.backend == "triton":
-            backend.kernels().select_topk(picked, cache.sel_count, cache.sel_end, cache.selection_buffer()[layer_idx])
+            backend.kernels().select_topk(picked, sel.sel_count, sel.sel_end, sel.buffer()[layer_idx])
         else:
-            cache.store_selection(layer_idx, reference.select_topk(picked, cache.max_selected))
-    cache.row_scores.clear()
+            sel.store(layer_idx, reference.select_topk(picked, sel.max_selected))
+    sel.row_scores.clear()
 
 
 def _no_mask(*args, **kwargs):

@@ -45,5 +45,5 @@ class VegasCandidateGenerator(CandidateGenerator):
         return torch.cat([input_ids, drafts], dim=1), scores
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
-        if self.cache.row_scores:  # `last_token` policy: the row that produced the kept token
+        if self.cache.selection.row_scores:  # `last_token` policy: the row that produced the kept token
             select_from_rows(self.cache, torch.tensor([num_matches], device=self.cache.device))

@@ -207,7 +207,7 @@ class _Loop:
         accepted = []
         while any(self._active()):
             active = self._active_on_device()
-            self.cache.row_active.copy_(active)
+            self.cache.plan.row_active.copy_(active)
             accepted.append(torch.where(active, self._iterate(active), -1))
         stats = torch.stack(accepted, dim=1) if accepted else first.new_zeros(first.shape[0], 0)
         return self._sequences(self.input_ids.shape[1]), stats
@@ -232,7 +232,7 @@ class _Loop:
 
     def _iterate(self, active: torch.Tensor) -> torch.Tensor:
         cache, gamma = self.cache, self.gamma
-        committed = cache.lengths.clone()
+        committed = cache.plan.lengths.clone()
         if gamma == 0:  # dense decoding: one token, picked exactly as vanilla picks it
             drafts = draft_scores = None
             logits = self.runner.decode(self.pending)
@@ -248,17 +248,17 @@ class _Loop:
             n, chunk, scores, keep, stopped = graphs.run(key, self._accept, logits, drafts, draft_scores, budget, eos)
         else:
             n, chunk, scores, keep, stopped = self._accept(logits, drafts, draft_scores, budget, self.stopper.eos)
-        if self.cache.row_scores:  # `last_token` policy selects from the row that produced the kept token
+        if self.cache.selection.row_scores:  # `last_token` policy selects from the row that produced the kept token
             select_from_rows(self.cache, n)
         if drafts is not None:
-            cache.note_acceptance(n, active)  # the next selection's budget (`VegasConfig.budget_boost`)
+            cache.selection.note_acceptance(n, active)  # the next selection's budget (`VegasConfig.budget_boost`)
         keep = self._commit(chunk, keep, stopped, active)  # 0 for inactive rows
         if self.recorder.active:
             self.recorder.add(scores, logits, self.kept)
         # The pending token and the kept tokens before the last have exact KV; the last kept token is the next
         # pending one. Usually keep = n + 1 (the cache keeps the accepted drafts, `nxt` is pending); a row cut by a
         # stopping criterion that goes on decoding (no EOS) resumes right after the cut, as vanilla does.
-        cache.rollback(committed + keep)
+        cache.plan.rollback(committed + keep)
         last = chunk.gather(1, (keep - 1).clamp_min(0)[:, None]).squeeze(1)
         self.pending = torch.where(keep > 0, last, self.pending)
         return n
@@ -290,7 +290,7 @@ class _Loop:
         """Append each active row's chunk, cut where vanilla generate would have stopped: `keep`/`stopped` as the
         length budget and EOS cut it, then the other stopping criteria. Returns the kept counts."""
         cols = self.history_t[:, None] + torch.arange(chunk.shape[1], device=chunk.device)[None, :]
-        rows = self.cache.row_index[:, None]
+        rows = self.cache.plan.row_index[:, None]
         old = self.tokens[rows, cols]
         self.tokens[rows, cols] = torch.where(active[:, None], chunk, old)
         keep, stopped = torch.where(active, keep, 0), stopped & active

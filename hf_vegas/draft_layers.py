@@ -134,7 +134,7 @@ def _applies(parts: _Parts, cache, hidden_states: torch.Tensor, args: tuple, kwa
     """Whether this forward is a draft step the fused layer runs: a one-token sparse draft of at most `MAX_ROWS`
     rows, in the weights' dtype, without autocast, with per-row rotary factors over the whole head (anything else
     runs the model's own forward)."""
-    return (not args and cache is not None and kwargs.get(compat.CACHE_KEYWORD) is cache and cache.mode == "draft"
+    return (not args and cache is not None and kwargs.get(compat.CACHE_KEYWORD) is cache and cache.plan.mode == "draft"
             and kwargs.get("position_embeddings") is not None
             and kwargs["position_embeddings"][0].shape == (hidden_states.shape[0], 1, parts.head_dim)
             and not cache.layers[parts.layer_idx].is_sliding and cache.layers[parts.layer_idx].is_initialized
@@ -152,12 +152,13 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
     cache.begin_layer(parts.layer_idx, tokens)
     store = cache.layers[parts.layer_idx]
     cos, sin = (t.contiguous() for t in position_embeddings)
-    q = kernels.rope_write_kv(qkv.view(batch, tokens, -1), cos, sin, store.keys, store.values, cache.write_slots,
+    q = kernels.rope_write_kv(qkv.view(batch, tokens, -1), cos, sin, store.keys, store.values, cache.plan.write_slots,
                               parts.q_heads, parts.kv_heads, parts.head_dim)
+    sel = cache.selection
     attn = kernels.sparse_draft_attention(
-        q.transpose(1, 2), store.keys, store.values, cache.query_slots, cache.attend_lengths,
-        cache.sel_idx[parts.layer_idx], cache.sel_count, cache.sel_end, parts.scaling, list_len=cache.draft_list_len,
-        split_len=cache.draft_split_len,
+        q.transpose(1, 2), store.keys, store.values, cache.plan.query_slots, cache.plan.attend_lengths,
+        sel.sel_idx[parts.layer_idx], sel.sel_count, sel.sel_end, parts.scaling, list_len=sel.draft_list_len,
+        split_len=sel.draft_split_len,
     )
     # The layer's input belongs to the caller: the first residual sum is a new tensor, the second adds in place.
     x = torch.addmm(x, attn.reshape(batch * tokens, -1), parts.o_weight.t())
@@ -198,5 +199,5 @@ def in_draft_steps(model, cache, enabled: bool):
     if not enabled:
         yield
         return
-    with fused_draft_layers(model, cache), fused_projections(model, active=lambda: cache.mode == "draft"):
+    with fused_draft_layers(model, cache), fused_projections(model, active=lambda: cache.plan.mode == "draft"):
         yield

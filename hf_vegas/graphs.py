@@ -13,10 +13,10 @@ Processors that read the history (a repetition penalty) and stopping criteria ot
 host: with them a draft is gamma one-forward graphs and the acceptance runs eagerly.
 
 What makes capture possible: every forward reads its per-row state from `VegasCache` tensors that are only ever
-written in place, takes its positions from `cache.lengths` on the device, and never synchronises with the host (the
-kernels get host-side sizes from the cache's capacity, never from the data); sampling draws from the default CUDA
-generator, whose Philox offsets a replay advances as the eager ops would. Each step kind, keyed by what it bakes in
-(cache mode, tokens, logits kept, processor settings, ...), goes through three stages:
+written in place, takes its positions from the step plan's `lengths` on the device, and never synchronises with the
+host (the kernels get host-side sizes from the cache's capacity, never from the data); sampling draws from the
+default CUDA generator, whose Philox offsets a replay advances as the eager ops would. Each step kind, keyed by what
+it bakes in (cache mode, tokens, logits kept, processor settings, ...), goes through three stages:
 
     1st call   eager: its real result, and the warm-up (Triton compiles, lazily built buffers get allocated)
     2nd call   (with `compile`) compiled forwards, which compiles them; else straight to the capture
@@ -258,6 +258,6 @@ def release_graphs(model=None) -> None:
         _POOL.clear()
     elif _POOL.pop(model, None) is None:
         return
-    gc.collect()  # a cache and its layers reference each other: only the collector frees them
+    gc.collect()  # whatever of the released generation sits in a reference cycle (the cache itself holds none)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

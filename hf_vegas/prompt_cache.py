@@ -71,4 +71,4 @@ def load(cache: VegasCache, prefix: Cache, left_pad: torch.Tensor) -> None:
         slots = torch.where(slots < 0, cache.capacity, slots)  # pads go to the scratch slot, as in a prefill
         reference.write_kv(layer.keys, layer.values, source.keys.to(layer.device), source.values.to(layer.device),
                            slots.to(layer.device))
-    cache.lengths.copy_((cached - left_pad).clamp_min(0))
+    cache.plan.lengths.copy_((cached - left_pad).clamp_min(0))

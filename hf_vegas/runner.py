@@ -61,7 +61,7 @@ class StepRunner:
         get it: the drafts are then written into `tokens` at `history[b] + i` (`start`: `history` on the device, if
         the caller has it) step by step, and each forward is its own graph.
         """
-        committed = self.cache.lengths.clone()
+        committed = self.cache.plan.lengths.clone()
         self.cache.begin("draft")
         key = self.pipeline.capture_key
 
@@ -74,7 +74,7 @@ class StepRunner:
             drafts, scores = steps(pending)
         else:
             drafts, scores = self._draft_with_history(pending, tokens, history, start, keep_scores)
-        self.cache.rollback(committed)
+        self.cache.plan.rollback(committed)
         return drafts, scores
 
     def verify(self, pending: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,7 @@ class StepRunner:
         """Declare the next forward the verification of gamma drafts after each row's cached tokens; its last token
         lands `gamma + 1` slots after them, whatever prefix of the sequence the caller re-feeds (HF's assisted loop
         feeds the whole prompt with its first verification)."""
-        self.cache.begin("verify", verify_end=self.cache.lengths + self.gamma + 1)
+        self.cache.begin("verify", verify_end=self.cache.plan.lengths + self.gamma + 1)
 
     # -- running the model ---------------------------------------------------------------------------------------
     def call_model(self, ids: torch.Tensor, logits_to_keep: int, left_pad: torch.Tensor | None = None):
@@ -103,7 +103,7 @@ class StepRunner:
 
     def _run_model(self, ids: torch.Tensor, logits_to_keep: int, left_pad: torch.Tensor | None):
         offsets = torch.arange(ids.shape[1], device=ids.device)
-        position_ids = self.cache.lengths[:, None] + offsets[None, :]  # read on the device: graph-safe
+        position_ids = self.cache.plan.lengths[:, None] + offsets[None, :]  # read on the device: graph-safe
         if left_pad is not None:
             position_ids = (position_ids - left_pad[:, None]).clamp_min(0)
         # A prefill may start from embeddings (`generate(inputs_embeds=...)`): `(B, T, hidden)` floats.
@@ -116,7 +116,7 @@ class StepRunner:
         """One forward in the cache's current mode, through its graph when there are graphs."""
         if self.graphs is None:
             return self.call_model(ids, logits_to_keep)
-        key = (self.cache.mode, ids.shape[1], logits_to_keep)
+        key = (self.cache.plan.mode, ids.shape[1], logits_to_keep)
         return self.graphs.run(key, lambda static_ids: self.call_model(static_ids, logits_to_keep), ids)
 
     def _draft_steps(self, pending: torch.Tensor, keep_scores: bool):
@@ -132,7 +132,7 @@ class StepRunner:
         return torch.stack(drafts, dim=1), torch.stack(scores, dim=1) if keep_scores else None
 
     def _draft_with_history(self, pending, tokens, history, start, keep_scores: bool):
-        rows = self.cache.row_index
+        rows = self.cache.plan.row_index
         if start is None:
             start = torch.tensor(history, device=tokens.device)
         ids, drafts, scores = pending[:, None], [], []

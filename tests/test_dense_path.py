@@ -19,7 +19,7 @@ def test_dense_greedy_matches_vanilla(arch, shape):
     out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=0, return_dict_in_generate=True)
     torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
     assert bool((out.accepted[out.accepted >= 0] == 0).all()), "no drafts: every step keeps exactly one token"
-    assert not getattr(out, CACHE_KEYWORD).has_selection, "the dense path never selects"
+    assert not getattr(out, CACHE_KEYWORD).selection.has_selection, "the dense path never selects"
 
 
 def test_dense_sampling_is_vanilla_token_for_token():

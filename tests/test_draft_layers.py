@@ -122,11 +122,11 @@ def test_a_fused_draft_step_computes_what_the_model_s_layers_compute():
     token = torch.tensor([5, 9], device=DEVICE)
     with torch.no_grad(), vegas_attention(model), active_cache(cache):
         runner.prefill(ids, left_pad=(mask == 0).sum(dim=1))
-        committed = cache.lengths.clone()
+        committed = cache.plan.lengths.clone()
         cache.begin("draft")
         want = runner.call_model(token[:, None], 1)
         written = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-        cache.rollback(committed)
+        cache.plan.rollback(committed)
         for layer in cache.layers:  # the fused step must write the slot itself
             rows = torch.arange(2, device=DEVICE)
             layer.keys[rows, committed] = NAN

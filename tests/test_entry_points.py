@@ -84,6 +84,26 @@ def test_return_dict_reports_acceptance():
     assert 1.0 <= out.tokens_per_iteration <= 5.0 and out.tokens_per_iteration > 1.0, "some drafts were accepted"
 
 
+def test_a_returned_cache_is_freed_as_soon_as_it_is_dropped():
+    """The cache's layers share its step plan, not the cache: no reference cycle, so dropping the output frees its
+    gigabytes at once, without waiting for the garbage collector."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([30, 20])
+    gc.disable()
+    try:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0, custom_generate="vegas",
+                             return_dict_in_generate=True, **SPARSE)
+        cache = weakref.ref(getattr(out, CACHE_KEYWORD))
+        assert cache() is not None
+        del out
+        assert cache() is None, "the cache outlived its last reference"
+    finally:
+        gc.enable()
+
+
 def test_num_return_sequences_with_sampling():
     model = tiny_model("llama")
     ids = torch.randint(1, 128, (2, 30), generator=torch.Generator().manual_seed(7))

@@ -285,21 +285,27 @@ def test_cache_state_keeps_its_tensors_through_every_step():
     ids, mask = ragged_batch([30, 21])
     cache = VegasCache(model.config, 2, 64, config)
     runner = StepRunner(model, cache, None, do_sample=False)
-    names = ("lengths", "left_pad", "verify_end", "sel_idx", "sel_count", "sel_end")
+    names = {"plan": ("lengths", "row_active", "left_pad", "verify_end"),
+             "selection": ("sel_idx", "sel_count", "sel_end", "rejection")}
     from hf_vegas.attention import active_cache, vegas_attention
+
+    def state():
+        return {(part, name): getattr(getattr(cache, part), name) for part, group in names.items() for name in group}
 
     with vegas_attention(model), active_cache(cache):
         left_pad = (mask == 0).sum(dim=1)
-        before = {name: getattr(cache, name) for name in names}
+        before = state()
         runner.prefill(ids, left_pad=left_pad)
         tokens = torch.zeros(2, 64, dtype=torch.long)
         for _ in range(2):
             drafts, _ = runner.draft(ids[:, -1], tokens, [30, 30])
             runner.verify(ids[:, -1], drafts)
-            cache.rollback(cache.lengths - 2)
+            cache.plan.rollback(cache.plan.lengths - 2)
+            cache.selection.note_acceptance(torch.tensor([1, 3]), torch.tensor([True, True]))
         cache.restart()
-    for name in names:
-        assert getattr(cache, name) is before[name], f"cache.{name} was replaced, not written in place"
+    after = state()
+    for key, tensor in before.items():
+        assert after[key] is tensor, f"cache.{'.'.join(key)} was replaced, not written in place"
 
 
 def test_a_new_bucket_frees_the_previous_one(pooled_on_cpu, monkeypatch):

@@ -5,7 +5,7 @@ import torch
 
 import hf_vegas
 from hf_vegas._compat.internals import CACHE_KEYWORD
-from hf_vegas.cache import budget_tensor
+from hf_vegas.selection_state import budget_tensor
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from tiny_models import BUILDERS, MORE_BUILDERS, ragged_batch, tiny_model
@@ -34,7 +34,8 @@ def test_greedy_matches_vanilla(arch, shape, gamma, ops, monkeypatch):
     torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
     cache = getattr(out, CACHE_KEYWORD)
     assert cache.eager_ops == (ops == "eager")
-    assert bool((cache.sel_count < cache.sel_end).all()), "the selection must drop tokens for this test to mean much"
+    sel = cache.selection
+    assert bool((sel.sel_count < sel.sel_end).all()), "the selection must drop tokens for this test to mean much"
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -66,7 +67,7 @@ def test_more_architectures_greedy_match_vanilla(arch, entry):
     custom = hf_vegas.generate if entry == "callable" else "vegas"
     out = model.generate(ids, **common, custom_generate=custom, vegas_gamma=4, return_dict_in_generate=True, **SPARSE)
     torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
-    full_layers = getattr(out, CACHE_KEYWORD).full_layers
+    full_layers = getattr(out, CACHE_KEYWORD).selection.full_layers
     assert full_layers == list(range(model.config.num_hidden_layers)), "every layer is sparse"
 
 
@@ -96,9 +97,10 @@ def test_a_boosted_budget_is_lossless_and_grows_the_rejecting_rows_budget(ops, m
                          return_dict_in_generate=True, **SPARSE)
     assert torch.equal(out.sequences, expected)
     cache = getattr(out, CACHE_KEYWORD)
-    assert (out.accepted[:, :-1] < 4).any() and cache.rejection.max() > 0, "some draft was rejected: a boost ran"
-    plain = budget_tensor(cache.sel_end, cache.vegas_config)
-    assert torch.equal(cache.sel_count > plain, cache.rejection > 0), "exactly the rejecting rows got more slots"
+    sel = cache.selection
+    assert (out.accepted[:, :-1] < 4).any() and sel.rejection.max() > 0, "some draft was rejected: a boost ran"
+    plain = budget_tensor(sel.sel_end, cache.vegas_config)
+    assert torch.equal(sel.sel_count > plain, sel.rejection > 0), "exactly the rejecting rows got more slots"
 
 
 def test_dense_budget_accepts_every_draft():

@@ -73,8 +73,8 @@ def test_sparse_draft_attention(head_dim, q_heads, kv_heads, tokens):
 
 @pytest.mark.parametrize("waves", [0, 8])
 def test_a_row_of_length_zero_reads_nothing(monkeypatch, waves):
-    """Finished rows get length 0 (`VegasCache.attend_lengths`): no slot of theirs is read, selection included, and
-    their output is zeros; the other rows are untouched."""
+    """Finished rows get length 0 (the step plan's `attend_lengths`): no slot of theirs is read, selection included,
+    and their output is zeros; the other rows are untouched."""
     monkeypatch.setitem(_launch.TUNING, "sparse", {**_launch.TUNING["sparse"], "waves": waves})
     case = make_case(LENGTHS, [1, 3, 1], 1, 64, 6, 2, seed=8)
     readable = sparse_readable(case)

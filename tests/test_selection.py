@@ -9,7 +9,8 @@ import torch
 
 from hf_vegas import VegasConfig
 from hf_vegas.attention import active_cache, vegas_attention_forward
-from hf_vegas.cache import VegasCache, budget_tensor
+from hf_vegas.cache import VegasCache
+from hf_vegas.selection_state import budget_tensor
 from hf_vegas.ops import eager, reference
 from tiny_models import tiny_model
 
@@ -49,7 +50,7 @@ def test_verify_selection_is_eq3(score, groups):
     )
     cache = VegasCache(model_config, batch, capacity=64, vegas_config=config)
     prefix = torch.tensor([40, 17, 29])  # committed lengths; verify writes gamma + 1 tokens after them
-    cache.lengths = prefix.clone()
+    cache.plan.lengths = prefix.clone()
     keys = torch.randn(batch, gamma + 1, kv_heads, dim)
     cache.begin("verify")
     k_all, v_all = cache.update(keys.transpose(1, 2), keys.transpose(1, 2), 0)  # (B, H, S, D) views
@@ -61,8 +62,9 @@ def test_verify_selection_is_eq3(score, groups):
     for b in range(batch):
         candidates = int(prefix[b]) + 1  # the prefix plus the first query position
         budget = config.budget(candidates)
-        assert int(cache.sel_end[b]) == candidates and int(cache.sel_count[b]) == budget < candidates
-        ours = set(cache.sel_idx[0, b, :budget].tolist())
+        sel = cache.selection
+        assert int(sel.sel_end[b]) == candidates and int(sel.sel_count[b]) == budget < candidates
+        ours = set(sel.sel_idx[0, b, :budget].tolist())
         expected = brute_force_eq3(q[b, :, 0], q[b, :, -1], k_all[b, :, : candidates + gamma].transpose(0, 1),
                                    candidates, budget,
                                    dim**-0.5, groups, score)
@@ -82,23 +84,23 @@ def test_a_row_whose_drafts_are_rejected_gets_a_boosted_budget():
         get_text_config=lambda decoder=True: types.SimpleNamespace(num_hidden_layers=1, layer_types=None)
     )
     cache = VegasCache(model_config, 3, capacity=400, vegas_config=config)
-    assert cache.max_selected == config.max_budget(400) == 120
+    assert cache.selection.max_selected == config.max_budget(400) == 120
     accepted, active = torch.tensor([4, 1, 0]), torch.tensor([True, True, False])
-    cache.note_acceptance(accepted, active)
-    assert cache.rejection.tolist() == [0.0, 0.5, 0.0]
-    cache.note_acceptance(accepted, torch.tensor([True, True, True]))
-    assert cache.rejection.tolist() == [0.0, 0.75, 0.5]
+    cache.selection.note_acceptance(accepted, active)
+    assert cache.selection.rejection.tolist() == [0.0, 0.5, 0.0]
+    cache.selection.note_acceptance(accepted, torch.tensor([True, True, True]))
+    assert cache.selection.rejection.tolist() == [0.0, 0.75, 0.5]
     candidates = torch.tensor([300, 300, 50])
     expected = [30, math.ceil(30 * (1 + 2 * 0.75)), 8 * 2]  # plain, boosted, the floor boosted
-    assert budget_tensor(candidates, config, cache.rejection).tolist() == expected
-    assert budget_tensor(torch.tensor([300, 12, 50]), config, cache.rejection)[1] == 12, "never past the candidates"
+    assert budget_tensor(candidates, config, cache.selection.rejection).tolist() == expected
+    assert budget_tensor(torch.tensor([300, 12, 50]), config, cache.selection.rejection)[1] == 12, "at most n"
     assert budget_tensor(candidates, config).tolist() == [30, 30, 8]
     cache.restart()
-    assert not cache.rejection.any(), "a new generation starts unboosted"
+    assert not cache.selection.rejection.any(), "a new generation starts unboosted"
     unboosted = VegasConfig(gamma=4, sparsity=0.1, min_tokens=8, budget_boost=1.0)
     plain = VegasCache(model_config, 3, capacity=400, vegas_config=unboosted)
-    plain.note_acceptance(accepted, active)
-    assert not plain.rejection.any() and plain.draft_split_len is None, "without a boost nothing is tracked"
+    plain.selection.note_acceptance(accepted, active)
+    assert not plain.selection.rejection.any() and plain.selection.draft_split_len is None, "no boost: nothing tracked"
 
 
 def test_draft_mask_is_selection_plus_tail():

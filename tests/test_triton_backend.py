@@ -48,7 +48,7 @@ def test_triton_greedy_matches_vanilla(arch, shape, kernel_calls):
     cache = generation_cache(model, out)
     assert cache.backend == "triton"
     torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
-    assert bool((cache.sel_count < cache.sel_end).all()), "the selection must drop tokens"
+    assert bool((cache.selection.sel_count < cache.selection.sel_end).all()), "the selection must drop tokens"
     assert kernel_calls["sparse_draft_attention"] > 0 and kernel_calls["verify_attention"] > 0
 
 

@@ -102,7 +102,7 @@ def _attend_list(
     n = tl.maximum(kv_len - tail_start, 0)
     if SPARSE:
         count = tl.load(SelCount + b)
-        n += tl.where(kv_len > 0, count, 0)  # a row of length 0 (finished: `VegasCache.attend_lengths`) reads nothing
+        n += tl.where(kv_len > 0, count, 0)  # a finished row (`StepPlan.attend_lengths` 0) reads nothing
     start = split.to(tl.int64) * chunk
     # The last split runs to the end of the list, so a too-small length hint costs balance, never tokens.
     end = tl.where(split == num_splits - 1, n, tl.minimum(start + chunk, n))

@@ -1,0 +1,122 @@
+"""`SelectionState`: which prefix slots the next draft reads, per (full-attention layer, row), and its budget.
+
+A prefill or verification forward chooses them (`prepare` at its layer 0, then the attention function of each full
+layer, by the policy of `hf_vegas.selection`): row `b` keeps `sel_idx[layer, b, :sel_count[b]]` of the candidate
+slots `[0, sel_end[b])`, and the next draft attends to those plus every slot from `sel_end[b]` on.
+
+Static state. The buffers are sized once for the largest budget any row can get (`VegasConfig.max_budget`) and only
+written in place, as CUDA graphs require (see `hf_vegas.step_plan`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import selection
+from .config import VegasConfig
+from .step_plan import StepPlan
+
+
+class SelectionState:
+    """The selection of a batch of `batch_size` rows of `capacity` slots, for the layers `full_layers` of
+    `num_layers` (sliding-window layers keep their window and select nothing)."""
+
+    def __init__(self, config: VegasConfig, num_layers: int, full_layers: list[int], batch_size: int, capacity: int,
+                 device: torch.device):
+        self.config = config
+        self.policy = selection.policy(config.policy)
+        self.device = device
+        long = dict(dtype=torch.long, device=device)
+        # Largest budget any row can need (boosted): the selection buffers are sized once, so no step reallocates.
+        self.max_selected = config.max_budget(capacity)
+        # A draft reads the selection plus the tail since `sel_end`: at most gamma accepted tokens and gamma drafts
+        # (+1 for prefill's pending token). Kernels size their splits with it; it is a hint, never a cut.
+        tail = 2 * config.gamma + 1
+        self.draft_list_len = self.max_selected + tail
+        # With a boost, no split of a draft's attention takes more than an unboosted list, so the boosted rows' longer
+        # lists run in more programs rather than longer ones (the kernel lasts as long as its longest program).
+        self.draft_split_len = config.budget(capacity) + tail if config.budget_boost > 1 else None
+        self.sel_idx = torch.zeros(num_layers, batch_size, self.max_selected, **long)
+        self.sel_count = torch.zeros(batch_size, **long)
+        self.sel_end = torch.zeros(batch_size, **long)
+        self.has_selection = False
+        # Per row, a running average of "the last verification rejected a draft", which scales its budget.
+        self.rejection = torch.zeros(batch_size, dtype=torch.float32, device=device)
+        # The query rows whose scores rank the candidates in this forward (None: not selecting, or by position).
+        self.score_rows: torch.Tensor | None = None
+        self._score_rows_by_shape: dict[tuple[str, int], torch.Tensor | None] = {}  # built outside any capture
+        # A deferring policy (`last_token`): head-averaged scores of every scored verify row, until acceptance.
+        self.row_scores: dict[int, torch.Tensor] = {}
+        self._layer_scores: torch.Tensor | None = None
+        self.full_layers = full_layers
+        self.full_layer_index = torch.tensor(full_layers, **long)
+        # Kernel path: full layers whose scores this forward emitted, selected together at the last full layer.
+        self.emitted_layers: list[int] = []
+        # Layers that already chose their selection in this forward (a layer may attend twice: DiffLlama).
+        self.selected_layers: set[int] = set()
+
+    def selecting(self, mode: str) -> bool:
+        """Whether a forward of `mode` chooses the next draft's slots (prefill and verify, when drafting at all)."""
+        return mode in ("prefill", "verify") and self.config.gamma > 0
+
+    def prepare(self, plan: StepPlan, num_tokens: int) -> None:
+        """At layer 0, after `plan.lay_out`: the candidates, budget and scored rows of this forward, if it selects.
+        Verification rates the prefix plus the pending token's slot (the slots every verify row sees); prefill rates
+        the whole prompt, from its last row."""
+        self.emitted_layers = []
+        self.selected_layers = set()
+        self.score_rows = None
+        if not self.selecting(plan.mode):
+            return
+        pending_row = max(num_tokens - self.config.gamma - 1, 0)
+        if plan.mode == "prefill":
+            self.sel_end.copy_(plan.lengths)
+        else:
+            self.sel_end.copy_(plan.write_start + pending_row + 1)
+        self.sel_count.copy_(budget_tensor(self.sel_end, self.config, self.rejection))
+        key = (plan.mode, num_tokens)
+        if key not in self._score_rows_by_shape:  # a host list made a device tensor once per shape
+            rows = self.policy.score_rows(plan.mode, num_tokens, pending_row)
+            self._score_rows_by_shape[key] = None if rows is None else torch.tensor(rows, device=self.device)
+        self.score_rows = self._score_rows_by_shape[key]
+
+    def store(self, layer_idx: int, indices: torch.Tensor) -> None:
+        self.sel_idx[layer_idx].copy_(indices)
+        self.has_selection = True
+
+    def buffer(self) -> torch.Tensor:
+        """`sel_idx` `(L, B, max_selected)`, for ops that write the selection in place."""
+        self.has_selection = True
+        return self.sel_idx
+
+    def layer_scores(self, num_slots: int) -> torch.Tensor:
+        """`(L, B, num_slots)` fp32 scratch where a verification leaves each full layer's scores (kernel path)."""
+        if self._layer_scores is None:
+            layers, batch, _ = self.sel_idx.shape
+            self._layer_scores = torch.empty(layers, batch, num_slots, dtype=torch.float32, device=self.device)
+        return self._layer_scores
+
+    def note_acceptance(self, accepted: torch.Tensor, active: torch.Tensor) -> None:
+        """After a verification: fold whether each active row rejected a draft into its `rejection` average (the
+        budget boost reads it). A no-op without a boost."""
+        if self.config.budget_boost > 1:
+            rejected = (accepted < self.config.gamma).to(self.rejection.dtype)
+            self.rejection.copy_(torch.where(active, 0.5 * (self.rejection + rejected), self.rejection))
+
+    def restart(self) -> None:
+        """No selection, no history, for a new generation over the same buffers."""
+        self.has_selection = False
+        self.rejection.zero_()
+        self.row_scores.clear()
+        self.emitted_layers = []
+
+
+def budget_tensor(candidates: torch.Tensor, config: VegasConfig, rejection: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """Per-row budget `clamp(ceil(sparsity * n), min_tokens, n)`; float64 so it equals `VegasConfig.budget`. With a
+    `budget_boost` and each row's `rejection` average, scaled by `1 + (boost - 1) * rejection` (at most `n`)."""
+    n = candidates.to(torch.float64)
+    budget = torch.ceil(config.sparsity * n).clamp_min(config.min_tokens)
+    if rejection is not None and config.budget_boost > 1:
+        budget = torch.ceil(budget * (1 + (config.budget_boost - 1) * rejection.to(torch.float64)))
+    return torch.minimum(budget, n).to(torch.long)
