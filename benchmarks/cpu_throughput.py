@@ -11,7 +11,7 @@ Every row generates exactly --new-tokens (EOS off). Decode tokens/s = batch x (n
 first token (after the prefill, timed by a stopping criterion both loops call) to the last; the prefill, the same
 work for every method, is recorded apart. Greedy tokens of dense and Vegas are compared with vanilla's.
 
-Beside each figure, the traffic model's prediction: the bytes a step must read (`traffic.py`) over the read
+Beside each figure, the traffic model's prediction: the bytes a step must read (`hf_vegas/traffic.py`) over the read
 bandwidth this run measures. On a CPU a verification of gamma + 1 tokens is partly compute-bound, which the traffic
 model does not see; the records hold the measured step times too. Records go to --out (JSONL), a table ends the run.
 """
@@ -33,7 +33,7 @@ import transformers
 from tqdm.auto import tqdm
 
 import hf_vegas
-import traffic
+from hf_vegas import traffic
 from provenance import commit, dirty
 from results_io import append_records
 from step_timer import FirstTokenClock

@@ -13,8 +13,9 @@ Methods, on the same prompts in one process:
   streaming  hf_vegas, policy "streaming" (StreamingLLM selection) at the same gamma and budget
 Each runs once to warm up (compile, capture), then once timed. Decode tokens/s = batch x (new tokens - 1) / the time
 from the first token (after the prefill) to the last. EOS is ignored: every row generates exactly the tokens asked.
-Bounds (`traffic.py`): the bytes a step must read over the read bandwidth measured in this run. On random-weight
-shapes Vegas' throughput is projected: measured iteration time x tokens per iteration of SmolLM2 (same decoding).
+Bounds (`hf_vegas/traffic.py`): the bytes a step must read over the read bandwidth measured in this run. On
+random-weight shapes Vegas' throughput is projected: measured iteration time x tokens per iteration of SmolLM2 (same
+decoding).
 Every record (GPU, versions, commit, workload, config, times, bounds) is appended to --out; a table ends the run.
 """
 
@@ -29,7 +30,7 @@ import transformers
 from tqdm.auto import tqdm
 
 import hf_vegas
-import traffic
+from hf_vegas import traffic
 import workloads
 from gpu_timing import read_bandwidth
 from launch_tuning import apply_tuning

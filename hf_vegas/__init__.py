@@ -16,6 +16,7 @@ from .decoding import generate
 from .graphs import release_graphs
 from .names import generate_from_name
 from .output import VegasGenerateOutput
+from .tune import TuneReport, tune
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,7 @@ register_attention()
 _patches.install_at_import()
 
 __all__ = [
+    "TuneReport",
     "VegasCache",
     "VegasCandidateGenerator",
     "VegasConfig",
@@ -35,4 +37,5 @@ __all__ = [
     "generate_from_name",
     "register_attention",
     "release_graphs",
+    "tune",
 ]

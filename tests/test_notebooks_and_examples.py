@@ -18,7 +18,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT = 600  # seconds; a smoke-mode notebook takes 1-2 minutes on 2 CPU cores, model load included
 # Pictures (matplotlib figures shown inline) each notebook must draw; a notebook not listed must draw at least one.
 # Every notebook reads HF_VEGAS_SMOKE and prints `smoke=True` or `smoke=False` from its first code cell.
-PICTURES = {"quickstart.ipynb": 1, "what_vegas_selects.ipynb": 4}
+PICTURES = {"quickstart.ipynb": 1, "what_vegas_selects.ipynb": 4, "tuning.ipynb": 1}
 pytestmark = pytest.mark.slow
 
 

@@ -13,9 +13,8 @@ tokens per iteration, so the bound is that of the speculation actually achieved)
 
 from __future__ import annotations
 
-
-from hf_vegas import VegasConfig
-from hf_vegas.cache import layer_types
+from .cache import layer_types
+from .config import VegasConfig
 
 
 def weight_bytes(model) -> int:
@@ -50,3 +49,12 @@ def vegas_iteration_bytes(model, batch: int, context: int, config: VegasConfig) 
     draft_visible = sum(min(drafted, context) if w is None else min(w, context) for w in windows)
     draft = weight_bytes(model) + batch * draft_visible * per_token
     return config.gamma * draft + dense_step_bytes(model, batch, context + config.gamma + 1)
+
+
+def predicted_speedup(model, batch: int, context: int, config: VegasConfig, tokens_per_iteration: float) -> float:
+    """Vegas over the dense path when both run at the same bandwidth (bytes alone decide, so the GPU cancels out):
+    `tokens_per_iteration` tokens for one iteration's bytes against one token per dense step's bytes."""
+    if config.gamma == 0:
+        return 1.0
+    return tokens_per_iteration * dense_step_bytes(model, batch, context) / vegas_iteration_bytes(
+        model, batch, context, config)

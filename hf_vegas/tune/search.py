@@ -1,0 +1,215 @@
+"""The search of `hf_vegas.tune`: the three steps over the grid, each configuration one `generate` call."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import torch
+
+from .. import traffic
+from ..config import SELECTION_FIELDS, VegasConfig
+from .report import TuneReport
+
+TIMINGS = ("auto", "measured", "traffic")
+# Arguments tune() sets on every generate call itself (the other VegasConfig fields go in `base_config`).
+TUNED_KEYS = ("vegas_gamma", "vegas_sparsity", "vegas_config", "custom_generate", "max_new_tokens", "input_ids",
+              "return_dict_in_generate")
+
+
+def tune(
+    model,
+    prompts,
+    tokenizer=None,
+    *,
+    gammas: Sequence[int] = (2, 4, 6, 8, 10),
+    sparsities: Sequence[float] = (0.03, 0.05, 0.07, 0.1, 0.15),
+    base_config: VegasConfig | None = None,
+    max_new_tokens: int = 64,
+    timing: str = "auto",
+    plateau: float = 0.03,
+    seed: int = 0,
+    progress: bool = True,
+    **generate_kwargs,
+) -> TuneReport:
+    r"""
+    Choose `gamma` and `sparsity` for `model` on `prompts`; returns a [`TuneReport`] whose `config` to pass back as
+    `vegas_config=`.
+
+    Args:
+        model: a causal LM, on the device it will generate on.
+        prompts: a list of strings (with `tokenizer`), a `(batch, length)` LongTensor of token ids (right-aligned:
+            left padding with `attention_mask` in `generate_kwargs`), or a list of 1-D LongTensors. All of them form
+            one batch, as `generate` would run them.
+        tokenizer: turns string prompts into a left-padded batch.
+        gammas, sparsities: the grid (integers >= 1; ratios in (0, 1]).
+        base_config: the other `VegasConfig` fields (policy, score, min_tokens, budget_boost, compile, ...).
+        max_new_tokens: tokens generated per configuration (at least 8).
+        timing: `"measured"`, `"traffic"` or `"auto"` (measured on CUDA, traffic elsewhere); see the module doc.
+        plateau: step 1 keeps the smallest ratio whose tokens per iteration are within this fraction of the best.
+        seed: `torch.manual_seed` before every configuration (sampling draws comparable tokens).
+        progress: a tqdm bar over the configurations.
+        generate_kwargs: passed to every `generate` call (`do_sample`, `temperature`, `top_p`, ...).
+    """
+    gammas, sparsities = _checked_grid(gammas, sparsities)
+    base = base_config if base_config is not None else VegasConfig()
+    if not isinstance(base, VegasConfig):
+        raise ValueError(f"`base_config` must be a VegasConfig, got {type(base).__name__}.")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 8:
+        raise ValueError(f"`max_new_tokens` must be an integer >= 8 (tokens per configuration), "
+                         f"got {max_new_tokens!r}.")
+    if timing not in TIMINGS:
+        raise ValueError(f"`timing` must be one of {list(TIMINGS)}, got {timing!r}.")
+    if not (isinstance(plateau, (int, float)) and 0 <= plateau < 1):
+        raise ValueError(f"`plateau` must be a fraction in [0, 1), got {plateau!r}.")
+    tuned = sorted(set(generate_kwargs) & set(TUNED_KEYS))
+    if tuned:
+        raise ValueError(f"tune() sets {tuned} itself; pass the other VegasConfig fields as `base_config`.")
+    device = next(model.parameters()).device
+    if timing == "auto":
+        timing = "measured" if device.type == "cuda" else "traffic"
+    ids, mask = _batch(prompts, tokenizer, model, device, generate_kwargs.pop("attention_mask", None))
+
+    runs = len(sparsities) * 2 + len(gammas) + (2 if timing == "measured" else 0)
+    bar = _progress(runs, progress)
+    run = _Runner(model, base, ids, mask, max_new_tokens, timing, seed, generate_kwargs, bar)
+    grid: list[dict] = []
+    try:
+        dense = run.dense() if timing == "measured" else None
+        top_gamma = max(gammas)
+        step1 = [run.vegas(dataclasses.replace(base, gamma=top_gamma, sparsity=s), dense, "1: sparsity at max gamma")
+                 for s in sparsities]
+        grid += step1
+        best_tpi = max(r["tokens_per_iteration"] for r in step1)
+        stable = min(r["sparsity"] for r in step1 if r["tokens_per_iteration"] >= (1 - plateau) * best_tpi)
+        step2 = [run.vegas(dataclasses.replace(base, gamma=g, sparsity=stable), dense, "2: gamma") for g in gammas]
+        grid += step2
+        gamma = max(step2, key=lambda r: r["speedup"])["gamma"]
+        step3 = [run.vegas(dataclasses.replace(base, gamma=gamma, sparsity=s), dense, "3: sparsity at chosen gamma")
+                 for s in sparsities]
+        grid += step3
+    finally:
+        bar.close()
+    best = max(step3, key=lambda r: r["speedup"])
+    if best["speedup"] > 1:
+        config, note = dataclasses.replace(base, gamma=best["gamma"], sparsity=best["sparsity"]), None
+    else:
+        config = dense_config(base)
+        note = (f"no configuration beat the dense path (best {best['speedup']:.2f}x, {timing}): the config is the "
+                "dense path (gamma=0)")
+    return TuneReport(config=config, grid=grid, chosen=best, dense=dense, timing=timing, plateau_sparsity=stable,
+                      batch=int(ids.shape[0]), prompt_tokens=int(mask.sum(dim=1).max()), max_new_tokens=max_new_tokens,
+                      device=str(device), note=note)
+
+
+def dense_config(base: VegasConfig) -> VegasConfig:
+    """`base` without drafting: gamma 0, the selection fields (which gamma 0 must leave alone) at their defaults."""
+    defaults = {name: getattr(VegasConfig, name) for name in SELECTION_FIELDS}
+    return dataclasses.replace(base, gamma=0, **defaults)
+
+
+def _checked_grid(gammas, sparsities) -> tuple[list[int], list[float]]:
+    gammas, sparsities = list(gammas), list(sparsities)
+    if not gammas or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in gammas):
+        raise ValueError(f"`gammas` must be a non-empty list of integers >= 1, got {gammas!r}.")
+    if not sparsities or any(isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= 1
+                             for s in sparsities):
+        raise ValueError(f"`sparsities` must be a non-empty list of ratios in (0, 1], got {sparsities!r}.")
+    return sorted(set(gammas)), sorted(set(float(s) for s in sparsities))
+
+
+def _batch(prompts, tokenizer, model, device, mask):
+    """`(input_ids, attention_mask)` for the prompts, left-padded, on `device`."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2 or prompts.is_floating_point():
+            raise ValueError(f"`prompts` as a tensor must be (batch, length) token ids, got shape "
+                             f"{tuple(prompts.shape)}.")
+        ids = prompts
+        mask = mask if mask is not None else torch.ones_like(ids)
+    elif prompts and all(isinstance(p, str) for p in prompts):
+        if tokenizer is None:
+            raise ValueError("String `prompts` need a `tokenizer` (or pass token ids).")
+        if tokenizer.pad_token is None:
+            raise ValueError("The tokenizer has no pad token to batch these prompts: set `tokenizer.pad_token`.")
+        encoded = tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left")
+        ids, mask = encoded.input_ids, encoded.attention_mask
+    elif prompts and all(isinstance(p, torch.Tensor) and p.dim() == 1 for p in prompts):
+        pad = model.generation_config.pad_token_id
+        pad = 0 if pad is None else int(pad if isinstance(pad, int) else pad[0])
+        width = max(p.numel() for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(prompts):
+            ids[row, width - p.numel():], mask[row, width - p.numel():] = p, 1
+    else:
+        raise ValueError("`prompts` must be a list of strings (with a tokenizer), a (batch, length) tensor of token "
+                         "ids, or a list of 1-D token-id tensors.")
+    return ids.to(device), mask.to(device)
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm  # a transformers dependency
+
+    return tqdm(total=total, desc="hf_vegas.tune", unit="config", disable=not enabled)
+
+
+class _Runner:
+    """One `generate` per configuration, timed or modelled; the dense path as the baseline."""
+
+    def __init__(self, model, base, ids, mask, max_new_tokens, timing, seed, generate_kwargs, bar):
+        self.model, self.base, self.ids, self.mask = model, base, ids, mask
+        self.new, self.timing, self.seed, self.kwargs, self.bar = max_new_tokens, timing, seed, generate_kwargs, bar
+        self.context = int(mask.sum(dim=1).max()) + max_new_tokens // 2  # the mean context of the decode
+        self.prefill_s = None
+
+    def _generate(self, config: VegasConfig, max_new_tokens: int):
+        torch.manual_seed(self.seed)
+        self._sync()
+        start = time.perf_counter()
+        out = self.model.generate(self.ids, attention_mask=self.mask, max_new_tokens=max_new_tokens,
+                                  custom_generate="vegas", vegas_config=config, return_dict_in_generate=True,
+                                  **self.kwargs)
+        self._sync()
+        return out, time.perf_counter() - start
+
+    def _sync(self):
+        if self.ids.device.type == "cuda":
+            torch.cuda.synchronize(self.ids.device)
+
+    def _decode_seconds(self, config: VegasConfig, out, seconds: float) -> float:
+        if self.prefill_s is None:  # one prefill-only call (warm, after the first timed call) for all configurations
+            self._generate(config, 1)
+            self.prefill_s = min(self._generate(config, 1)[1] for _ in range(2))
+        return max(seconds - self.prefill_s, 1e-9)
+
+    def dense(self) -> dict:
+        config = dense_config(self.base)
+        self._generate(config, self.new)  # warm-up: compiles, captures
+        out, seconds = self._generate(config, self.new)
+        tokens = out.sequences.shape[1] - self.ids.shape[1]
+        decode = self._decode_seconds(config, out, seconds)
+        self.bar.update(2)
+        return dict(tokens_per_s=self.ids.shape[0] * (tokens - 1) / decode, decode_seconds=decode)
+
+    def vegas(self, config: VegasConfig, dense: dict | None, step: str) -> dict:
+        if self.timing == "measured":
+            self._generate(config, self.new)  # warm-up of this configuration's kernels and graphs
+        out, seconds = self._generate(config, self.new)
+        tpi = out.tokens_per_iteration
+        record = dict(step=step, gamma=config.gamma, sparsity=config.sparsity, tokens_per_iteration=tpi,
+                      iterations=int(out.accepted.shape[1]))
+        predicted = traffic.predicted_speedup(self.model, self.ids.shape[0], self.context, config, tpi)
+        record["predicted_speedup"] = predicted
+        if self.timing == "measured":
+            tokens = out.sequences.shape[1] - self.ids.shape[1]
+            decode = self._decode_seconds(config, out, seconds)
+            record.update(tokens_per_s=self.ids.shape[0] * (tokens - 1) / decode, decode_seconds=decode)
+            record["speedup"] = record["tokens_per_s"] / dense["tokens_per_s"]
+        else:
+            record["speedup"] = predicted
+        self.bar.update(1)
+        return record
+

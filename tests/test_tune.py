@@ -1,0 +1,126 @@
+"""`hf_vegas.tune`: the paper's three steps on the user's prompts, its report, its errors and its CLI."""
+
+import json
+
+import pytest
+import torch
+
+import hf_vegas
+from hf_vegas import traffic
+from hf_vegas.tune import TuneReport, dense_config, tune
+from hf_vegas.tune.cli import main
+from tiny_models import ragged_batch, tiny_model
+
+IDS, MASK = ragged_batch([80, 61])
+COMMON = dict(attention_mask=MASK, max_new_tokens=16, pad_token_id=0, progress=False,
+              base_config=hf_vegas.VegasConfig(min_tokens=4))
+
+
+def _modelled_speedup(monkeypatch):
+    """A traffic model whose optimum is inside the grid: tokens per iteration, less a cost per draft step."""
+    monkeypatch.setattr(traffic, "predicted_speedup",
+                        lambda model, batch, context, config, tpi: tpi / (1 + 0.15 * config.gamma + config.sparsity))
+
+
+def test_the_three_steps_choose_what_their_rules_say(monkeypatch):
+    _modelled_speedup(monkeypatch)
+    report = tune(tiny_model("llama"), IDS, gammas=[4, 2, 6], sparsities=[0.3, 0.1, 0.6], plateau=0.05, **COMMON)
+    steps = [[r for r in report.grid if r["step"].startswith(n)] for n in "123"]
+    assert [len(s) for s in steps] == [3, 3, 3] and report.timing == "traffic"
+    assert {r["gamma"] for r in steps[0]} == {6}, "step 1 runs at the largest gamma"
+    best_tpi = max(r["tokens_per_iteration"] for r in steps[0])
+    plateau = min(r["sparsity"] for r in steps[0] if r["tokens_per_iteration"] >= 0.95 * best_tpi)
+    assert report.plateau_sparsity == plateau and {r["sparsity"] for r in steps[1]} == {plateau}
+    gamma = max(steps[1], key=lambda r: r["speedup"])["gamma"]
+    assert {r["gamma"] for r in steps[2]} == {gamma}, "step 3 re-adjusts the ratio at step 2's gamma"
+    best = max(steps[2], key=lambda r: r["speedup"])
+    assert report.chosen is best and best["speedup"] > 1 and report.note is None
+    assert (report.config.gamma, report.config.sparsity, report.config.min_tokens) == (gamma, best["sparsity"], 4)
+    assert all(r["speedup"] == r["predicted_speedup"] for r in report.grid), "traffic timing: speedup = prediction"
+    assert report.measured_speedup is None and report.predicted_speedup == best["predicted_speedup"]
+
+
+def test_the_chosen_config_is_lossless():
+    model = tiny_model("llama", seed=1)
+    report = tune(model, IDS, gammas=[2, 3], sparsities=[0.1, 0.5], **COMMON)
+    vegas = report.config if report.config.gamma else hf_vegas.VegasConfig(gamma=2, min_tokens=4)
+    expected = model.generate(IDS, attention_mask=MASK, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    out = model.generate(IDS, attention_mask=MASK, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                         custom_generate="vegas", vegas_config=vegas)
+    assert torch.equal(out, expected)
+
+
+def test_no_gain_means_the_dense_path_and_says_so():
+    """A tiny model at 80 tokens reads mostly weights: no configuration beats the dense path by the bytes."""
+    report = tune(tiny_model("llama"), IDS, gammas=[2, 4], sparsities=[0.1, 0.3], **COMMON)
+    assert max(r["speedup"] for r in report.grid) < 1
+    assert report.config == dense_config(COMMON["base_config"]) and report.config.gamma == 0
+    assert "dense path" in report.note and "traffic" in report.note
+
+
+def test_measured_timing_times_the_dense_path_and_every_configuration():
+    report = tune(tiny_model("llama"), IDS, gammas=[2], sparsities=[0.2], timing="measured", **COMMON)
+    assert report.timing == "measured" and report.dense["tokens_per_s"] > 0
+    for r in report.grid:
+        assert r["decode_seconds"] > 0
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / report.dense["tokens_per_s"])
+    assert report.measured_speedup == report.chosen["speedup"]
+
+
+def test_prompts_as_strings_or_token_lists_batch_like_generate():
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(1, 100)} | {"[PAD]": 0}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="[PAD]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="[PAD]")
+    texts = [" ".join(f"w{(7 * i) % 99 + 1}" for i in range(n)) for n in (70, 45)]
+    model = tiny_model("llama")
+    kwargs = {**COMMON}
+    kwargs.pop("attention_mask")
+    by_text = tune(model, texts, tokenizer, gammas=[2], sparsities=[0.2], **kwargs)
+    rows = [torch.tensor(tokenizer(t).input_ids) for t in texts]
+    by_ids = tune(model, rows, gammas=[2], sparsities=[0.2], **kwargs)
+    assert by_text.prompt_tokens == by_ids.prompt_tokens == 70 and by_text.batch == 2
+    assert by_text.grid == by_ids.grid, "the same left-padded batch either way"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(gammas=[0, 2]), "gammas"), (dict(gammas=[]), "gammas"), (dict(sparsities=[0.0]), "sparsities"),
+    (dict(sparsities=[1.5]), "sparsities"), (dict(timing="cuda"), "timing"),
+    (dict(max_new_tokens=4), "max_new_tokens"), (dict(plateau=1.0), "plateau"), (dict(vegas_gamma=3), "vegas_gamma"),
+    (dict(base_config={"gamma": 3}), "base_config"),
+])
+def test_bad_arguments_are_refused_before_any_forward(kwargs, message):
+    model = tiny_model("llama")
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    arguments = {**COMMON, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        tune(model, IDS, **arguments)
+    with pytest.raises(ValueError, match="tokenizer"):
+        tune(model, ["some text"], progress=False)
+    assert not calls
+
+
+def test_the_report_round_trips_through_json_and_draws(tmp_path, monkeypatch):
+    _modelled_speedup(monkeypatch)
+    report = tune(tiny_model("llama"), IDS, gammas=[2, 4], sparsities=[0.1, 0.4], **COMMON)
+    saved = report.save(tmp_path / "tune.json")
+    assert json.loads(saved.read_text())["config"]["gamma"] == report.config.gamma
+    again = TuneReport.load(saved)
+    assert again == report and isinstance(again.config, hf_vegas.VegasConfig)
+    png = report.plot(tmp_path / "tune.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "chosen: VegasConfig(" in str(report)
+
+
+@pytest.mark.slow
+def test_the_cli_tunes_the_embedded_smollm2(tmp_path):
+    report = main(["--prompt-tokens", "300", "--batch", "2", "--max-new-tokens", "8", "--gammas", "2", "4",
+                   "--sparsities", "0.1", "0.3", "--out", str(tmp_path / "tune.json"), "--plot",
+                   str(tmp_path / "tune.png"), "--no-progress"])
+    assert (tmp_path / "tune.json").exists() and (tmp_path / "tune.png").exists()
+    assert report.timing == "traffic" and report.batch == 2 and len(report.grid) == 6
+    assert all(r["tokens_per_iteration"] > 1 for r in report.grid), "a trained model accepts drafts"
