@@ -82,9 +82,10 @@ def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfi
 def row_acceptance(accepted: torch.Tensor, mask: torch.Tensor, budget: int) -> dict:
     """Per-row tokens per iteration (quantiles), and the slowest rows with their prompt lengths: the batch runs until
     its slowest row is done, so whether the stragglers share a trait (short, padded prompts) or not matters. A row's
-    last iteration may accept more than the `budget` of new tokens leaves room for: only the budget counts."""
+    last iteration may accept more than the `budget` of new tokens leaves room for (the first new token came from the
+    prefill): only the budget counts."""
     active = accepted >= 0
-    produced = ((accepted + 1) * active).sum(dim=1).clamp_max(budget)
+    produced = ((accepted + 1) * active).sum(dim=1).clamp_max(budget - 1)
     rate = produced.float() / active.sum(dim=1).clamp_min(1).float()
     quantiles = torch.quantile(rate, torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], device=rate.device)).tolist()
     prompt = mask.sum(dim=1)

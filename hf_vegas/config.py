@@ -117,7 +117,7 @@ class VegasConfig:
 
     def max_budget(self, length: int) -> int:
         """The most prefix tokens a boosted sequence's draft reads out of `length` candidates."""
-        return min(math.ceil(self.budget(length) * float(self.budget_boost)), length)
+        return math.ceil(min(self.budget(length) * float(self.budget_boost), length))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

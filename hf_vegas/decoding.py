@@ -101,7 +101,7 @@ def generate(
     validation.check_generation_config(generation_config, logits_processor)
     validation.check_model_kwargs(model_kwargs)
     # The prompt is `input_ids`, or `inputs_embeds` (then `input_ids` holds only what the history starts with,
-    # usually nothing, as in vanilla); a user's prefilled `past_key_values` covers its first `cached` positions.
+    # usually nothing, as in vanilla); a user's prefilled cache (`compat.CACHE_KEYWORD`) covers its first positions.
     inputs_embeds = model_kwargs.get("inputs_embeds")
     prompt = input_ids if inputs_embeds is None else inputs_embeds[..., 0]
     left_pad = validation.left_padding(prompt, model_kwargs.get("attention_mask"))

@@ -42,19 +42,23 @@ def dense_step_bytes(model, batch: int, context: int) -> int:
     return weight_bytes(model) + batch * visible * per_token
 
 
-def vegas_iteration_bytes(model, batch: int, context: int, config: VegasConfig) -> int:
-    """One iteration at `context` committed tokens per row: gamma sparse drafts and one full verification."""
+def vegas_iteration_bytes(model, batch: int, context: int, config: VegasConfig, rejection: float = 0.0) -> int:
+    """One iteration at `context` committed tokens per row: gamma sparse drafts and one full verification. With a
+    `budget_boost`, `rejection` (the share of verifications that rejected a draft) scales the budget as it does on
+    average (`VegasConfig.budget_boost`)."""
     windows, per_token = _kv_shape(model)
-    drafted = config.budget(context) + 2 * config.gamma  # selection + tail (accepted since, and the drafts)
+    budget = config.budget(context) * (1 + (config.budget_boost - 1) * rejection)
+    drafted = int(min(budget, context)) + 2 * config.gamma  # selection + tail (accepted since, and the drafts)
     draft_visible = sum(min(drafted, context) if w is None else min(w, context) for w in windows)
     draft = weight_bytes(model) + batch * draft_visible * per_token
     return config.gamma * draft + dense_step_bytes(model, batch, context + config.gamma + 1)
 
 
-def predicted_speedup(model, batch: int, context: int, config: VegasConfig, tokens_per_iteration: float) -> float:
+def predicted_speedup(model, batch: int, context: int, config: VegasConfig, tokens_per_iteration: float,
+                      rejection: float = 0.0) -> float:
     """Vegas over the dense path when both run at the same bandwidth (bytes alone decide, so the GPU cancels out):
     `tokens_per_iteration` tokens for one iteration's bytes against one token per dense step's bytes."""
     if config.gamma == 0:
         return 1.0
     return tokens_per_iteration * dense_step_bytes(model, batch, context) / vegas_iteration_bytes(
-        model, batch, context, config)
+        model, batch, context, config, rejection)

@@ -148,7 +148,8 @@ def check_model_kwargs(model_kwargs: dict) -> None:
     if extra:
         raise ValueError(
             f"hf_vegas does not support the model input(s) {extra}; decoder-only text generation takes "
-            "`input_ids` or `inputs_embeds`, `attention_mask` and a prefilled `past_key_values` (DynamicCache)."
+            f"`input_ids` or `inputs_embeds`, `attention_mask` and a prefilled `{compat.CACHE_KEYWORD}` "
+            "(DynamicCache)."
         )
 
 

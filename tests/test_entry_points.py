@@ -46,6 +46,28 @@ def test_hf_assisted_decoding_loop_with_vegas_drafter():
     assert "_get_candidate_generator" not in vars(model)
 
 
+def test_hf_assisted_loop_feeds_the_budget_boost(monkeypatch):
+    """HF's loop reports each verification's matches to the drafter, which folds them into the boost's average."""
+    from hf_vegas.selection_state import SelectionState
+
+    seen = []
+    original = SelectionState.note_acceptance
+
+    def noted(self, accepted, active):
+        seen.append((int(accepted[0]), float(self.rejection[0])))
+        return original(self, accepted, active)
+
+    monkeypatch.setattr(SelectionState, "note_acceptance", noted)
+    model = tiny_model("llama")
+    ids = torch.randint(1, 128, (1, 60), generator=torch.Generator().manual_seed(5))
+    expected = model.generate(ids, max_new_tokens=20, do_sample=False)
+    out = assisted_generate(model, ids, max_new_tokens=20, do_sample=False, vegas_budget_boost=3.0, **SPARSE)
+    assert torch.equal(out, expected)
+    assert seen and any(matches < 4 for matches, _ in seen[:-1]), "a rejection was noted"
+    rejected_before = [r for _, r in seen[1:]]
+    assert max(rejected_before) > 0, "the average rose after a rejection"
+
+
 class Recorder(BaseStreamer):
     def __init__(self):
         self.chunks, self.ended = [], False

@@ -50,7 +50,7 @@ def test_verify_selection_is_eq3(score, groups):
     )
     cache = VegasCache(model_config, batch, capacity=64, vegas_config=config)
     prefix = torch.tensor([40, 17, 29])  # committed lengths; verify writes gamma + 1 tokens after them
-    cache.plan.lengths = prefix.clone()
+    cache.plan.lengths.copy_(prefix)
     keys = torch.randn(batch, gamma + 1, kv_heads, dim)
     cache.begin("verify")
     k_all, v_all = cache.update(keys.transpose(1, 2), keys.transpose(1, 2), 0)  # (B, H, S, D) views
@@ -74,6 +74,8 @@ def test_verify_selection_is_eq3(score, groups):
 @pytest.mark.parametrize("length,expected", [(100, 100), (4000, 280), (10, 10), (3658, 257), (3657, 256)])
 def test_budget(length, expected):
     assert VegasConfig().budget(length) == expected == min(max(math.ceil(0.07 * length), 256), length)
+    assert VegasConfig(budget_boost=1.0).max_budget(length) == expected
+    assert VegasConfig(budget_boost=1e308).max_budget(length) == length, "a huge boost reads every candidate"
 
 
 def test_a_row_whose_drafts_are_rejected_gets_a_boosted_budget():

@@ -99,7 +99,7 @@ def test_triton_policies_match_reference_backend(policy, score):
 
 
 def test_triton_boosted_budget_matches_reference_backend(monkeypatch):
-    """`budget_boost`: the boosted rows' longer lists run in more splits of the draft kernel (`split_len`; 8-slot
+    """`budget_boost`: the boosted rows' longer lists run in more splits of the draft kernel (`split_len`; 16-slot
     blocks here, so these short lists need them); selections, acceptance and tokens stay the reference backend's."""
     from hf_vegas_kernels import _launch
     from hf_vegas_kernels import attention as attention_kernels

@@ -18,8 +18,8 @@ COMMON = dict(attention_mask=MASK, max_new_tokens=16, pad_token_id=0, progress=F
 
 def _modelled_speedup(monkeypatch):
     """A traffic model whose optimum is inside the grid: tokens per iteration, less a cost per draft step."""
-    monkeypatch.setattr(traffic, "predicted_speedup",
-                        lambda model, batch, context, config, tpi: tpi / (1 + 0.15 * config.gamma + config.sparsity))
+    monkeypatch.setattr(traffic, "predicted_speedup", lambda model, batch, context, config, tpi, rejection=0.0:
+                        tpi / (1 + 0.15 * config.gamma + config.sparsity))
 
 
 def test_the_three_steps_choose_what_their_rules_say(monkeypatch):
@@ -40,13 +40,16 @@ def test_the_three_steps_choose_what_their_rules_say(monkeypatch):
     assert report.measured_speedup is None and report.predicted_speedup == best["predicted_speedup"]
 
 
-def test_the_chosen_config_is_lossless():
+def test_the_chosen_config_is_lossless_and_keeps_the_flat_keys(monkeypatch):
+    """A `vegas_<field>` keyword joins the base config: every run and the report's config use it."""
+    _modelled_speedup(monkeypatch)
     model = tiny_model("llama", seed=1)
-    report = tune(model, IDS, gammas=[2, 3], sparsities=[0.1, 0.5], **COMMON)
-    vegas = report.config if report.config.gamma else hf_vegas.VegasConfig(gamma=2, min_tokens=4)
+    common = {**COMMON, "base_config": hf_vegas.VegasConfig()}
+    report = tune(model, IDS, gammas=[2, 3], sparsities=[0.1, 0.5], vegas_min_tokens=4, **common)
+    assert report.config.gamma > 0 and report.config.min_tokens == 4
     expected = model.generate(IDS, attention_mask=MASK, max_new_tokens=12, do_sample=False, pad_token_id=0)
     out = model.generate(IDS, attention_mask=MASK, max_new_tokens=12, do_sample=False, pad_token_id=0,
-                         custom_generate="vegas", vegas_config=vegas)
+                         custom_generate="vegas", vegas_config=report.config)
     assert torch.equal(out, expected)
 
 
@@ -62,9 +65,29 @@ def test_measured_timing_times_the_dense_path_and_every_configuration():
     report = tune(tiny_model("llama"), IDS, gammas=[2], sparsities=[0.2], timing="measured", **COMMON)
     assert report.timing == "measured" and report.dense["tokens_per_s"] > 0
     for r in report.grid:
-        assert r["decode_seconds"] > 0
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / report.dense["tokens_per_s"])
     assert report.measured_speedup == report.chosen["speedup"]
+
+
+def test_measured_time_is_the_decode_less_the_prefill(monkeypatch):
+    """Fake clocks: a full generation takes 1 s + 0.1 s per new token, a prefill-only call 1 s (plus 0.5 s with
+    drafting, whose prefill also selects); each rate is its tokens over what the decode alone took."""
+    from hf_vegas.tune import search
+
+    real = search._Runner._generate
+
+    def timed(self, config, max_new_tokens):
+        out, _ = real(self, config, max_new_tokens)
+        prefill = 1.0 + (0.5 if config.gamma else 0.0)
+        return out, prefill + (0.1 * max_new_tokens if max_new_tokens > 1 else 0.0)
+
+    monkeypatch.setattr(search._Runner, "_generate", timed)
+    report = tune(tiny_model("llama"), IDS, gammas=[2], sparsities=[0.2], timing="measured", eos_token_id=None,
+                  **COMMON)
+    made = 2 * (16 - 1)  # rows x tokens after the prefill's
+    assert report.dense["decode_seconds"] == pytest.approx(1.6)
+    assert report.dense["tokens_per_s"] == pytest.approx(made / 1.6)
+    assert all(r["decode_seconds"] == pytest.approx(1.6) for r in report.grid)
 
 
 def test_prompts_as_strings_or_token_lists_batch_like_generate():

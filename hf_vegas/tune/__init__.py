@@ -6,8 +6,10 @@
 
 The three steps of the paper: (1) at the largest gamma, sweep the sparsity ratio until the tokens accepted per
 iteration stop rising (the smallest ratio within `plateau` of the best); (2) at that ratio, sweep gamma for
-throughput; (3) at the chosen gamma, re-adjust the ratio for throughput. Every configuration runs `generate` once
-on the same batch (sampling with the same seed), so acceptance is the model's own on these prompts.
+throughput; (3) at the chosen gamma, re-adjust the ratio for throughput. Every configuration generates on the same
+batch (sampling with the same seed: once with traffic timing; with measured timing after warm-up calls, and with
+prefill-only calls timed once per kind), so acceptance is the model's own on these prompts. Predictions use the
+batch's tokens per iteration (the batch runs until its slowest row is done) and the boosted budgets its rows drew.
 
 Throughput comes from one of two sources, which the report names (`timing`): "measured" (the wall time of each
 decode, after subtracting the prefill, with CUDA synchronised; the default on CUDA), or "traffic" (the bytes each
@@ -16,6 +18,8 @@ path is the ratio of bytes per token; the default elsewhere, as a CPU's timings 
 If no configuration beats the dense path (`gamma=0`), the report's config is the dense path and says so.
 
 `python -m hf_vegas.tune --help`: the same from the command line, on the embedded SmolLM2 or a local model folder.
+(`hf_vegas.tune` is the function; its modules are `hf_vegas.tune.search`, `.report` and `.cli`, imported with
+`from hf_vegas.tune import ...`.) Other `vegas_<field>` keywords join `base_config`.
 """
 
 from .report import TuneReport

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import traffic
-from ..config import SELECTION_FIELDS, VegasConfig
+from ..config import SELECTION_FIELDS, VegasConfig, resolve_config
 from .report import TuneReport
 
 TIMINGS = ("auto", "measured", "traffic")
@@ -66,6 +66,9 @@ def tune(
     tuned = sorted(set(generate_kwargs) & set(TUNED_KEYS))
     if tuned:
         raise ValueError(f"tune() sets {tuned} itself; pass the other VegasConfig fields as `base_config`.")
+    # Other `vegas_<field>` keys join the base config, so the report's config is the one every run used.
+    flat = {key: generate_kwargs.pop(key) for key in [k for k in generate_kwargs if k.startswith("vegas_")]}
+    base = resolve_config(base, **flat) if flat else base
     device = next(model.parameters()).device
     if timing == "auto":
         timing = "measured" if device.type == "cuda" else "traffic"
@@ -162,8 +165,8 @@ class _Runner:
     def __init__(self, model, base, ids, mask, max_new_tokens, timing, seed, generate_kwargs, bar):
         self.model, self.base, self.ids, self.mask = model, base, ids, mask
         self.new, self.timing, self.seed, self.kwargs, self.bar = max_new_tokens, timing, seed, generate_kwargs, bar
-        self.context = int(mask.sum(dim=1).max()) + max_new_tokens // 2  # the mean context of the decode
-        self.prefill_s = None
+        self.context = int(mask.sum(dim=1).max()) + max_new_tokens // 2  # the longest row, halfway through the decode
+        self.prefill_s: dict[bool, float] = {}  # per kind (drafting or not): a drafting prefill also selects
 
     def _generate(self, config: VegasConfig, max_new_tokens: int):
         torch.manual_seed(self.seed)
@@ -179,37 +182,59 @@ class _Runner:
         if self.ids.device.type == "cuda":
             torch.cuda.synchronize(self.ids.device)
 
-    def _decode_seconds(self, config: VegasConfig, out, seconds: float) -> float:
-        if self.prefill_s is None:  # one prefill-only call (warm, after the first timed call) for all configurations
+    def _warm_up(self, config: VegasConfig) -> None:
+        """Runs until no new step is compiled or captured (each step kind is eager, then compiled, then captured,
+        one call at a time: a short generation may need more than one call)."""
+        from .. import graphs
+
+        for _ in range(4):
+            steps = graphs.pooled_graphs(self.model)
+            before = steps.captures if steps is not None else None
+            self._generate(config, self.new)
+            steps = graphs.pooled_graphs(self.model)
+            if steps is None or steps.captures == before or steps.disabled_reason is not None:
+                return
+
+    def _decode_seconds(self, config: VegasConfig, seconds: float) -> float:
+        kind = config.gamma > 0
+        if kind not in self.prefill_s:  # prefill-only calls, warm, once per kind for every configuration
             self._generate(config, 1)
-            self.prefill_s = min(self._generate(config, 1)[1] for _ in range(2))
-        return max(seconds - self.prefill_s, 1e-9)
+            self.prefill_s[kind] = min(self._generate(config, 1)[1] for _ in range(2))
+        return max(seconds - self.prefill_s[kind], 1e-9)
+
+    def _made(self, out) -> int:
+        """New tokens the rows generated after the prefill's first (rows that stop at EOS count what they made)."""
+        accepted = out.accepted
+        per_row = ((accepted + 1) * (accepted >= 0)).sum(dim=1).clamp_max(self.new - 1)
+        return int(per_row.sum())
 
     def dense(self) -> dict:
         config = dense_config(self.base)
-        self._generate(config, self.new)  # warm-up: compiles, captures
+        self._warm_up(config)
         out, seconds = self._generate(config, self.new)
-        tokens = out.sequences.shape[1] - self.ids.shape[1]
-        decode = self._decode_seconds(config, out, seconds)
+        decode = self._decode_seconds(config, seconds)
         self.bar.update(2)
-        return dict(tokens_per_s=self.ids.shape[0] * (tokens - 1) / decode, decode_seconds=decode)
+        return dict(tokens_per_s=self._made(out) / decode, decode_seconds=decode)
 
     def vegas(self, config: VegasConfig, dense: dict | None, step: str) -> dict:
         if self.timing == "measured":
-            self._generate(config, self.new)  # warm-up of this configuration's kernels and graphs
+            self._warm_up(config)  # this configuration's kernels, compilations and graphs
         out, seconds = self._generate(config, self.new)
-        tpi = out.tokens_per_iteration
-        record = dict(step=step, gamma=config.gamma, sparsity=config.sparsity, tokens_per_iteration=tpi,
-                      iterations=int(out.accepted.shape[1]))
-        predicted = traffic.predicted_speedup(self.model, self.ids.shape[0], self.context, config, tpi)
-        record["predicted_speedup"] = predicted
+        iterations = int(out.accepted.shape[1])
+        # The batch iterates until its slowest row is done: its rate is tokens over iterations, not the rows' mean.
+        batch_rate = (self._made(out) / self.ids.shape[0]) / max(iterations, 1)
+        rejected = out.accepted[out.accepted >= 0] < config.gamma
+        rejection = float(rejected.float().mean()) if rejected.numel() else 0.0
+        record = dict(step=step, gamma=config.gamma, sparsity=config.sparsity,
+                      tokens_per_iteration=out.tokens_per_iteration, batch_tokens_per_iteration=batch_rate,
+                      iterations=iterations, rejection=rejection)
+        record["predicted_speedup"] = traffic.predicted_speedup(self.model, self.ids.shape[0], self.context, config,
+                                                                batch_rate, rejection)
         if self.timing == "measured":
-            tokens = out.sequences.shape[1] - self.ids.shape[1]
-            decode = self._decode_seconds(config, out, seconds)
-            record.update(tokens_per_s=self.ids.shape[0] * (tokens - 1) / decode, decode_seconds=decode)
+            decode = self._decode_seconds(config, seconds)
+            record.update(tokens_per_s=self._made(out) / decode, decode_seconds=decode)
             record["speedup"] = record["tokens_per_s"] / dense["tokens_per_s"]
         else:
-            record["speedup"] = predicted
+            record["speedup"] = record["predicted_speedup"]
         self.bar.update(1)
         return record
-
