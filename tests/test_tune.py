@@ -124,7 +124,18 @@ def test_bad_arguments_are_refused_before_any_forward(kwargs, message):
         tune(model, IDS, **arguments)
     with pytest.raises(ValueError, match="tokenizer"):
         tune(model, ["some text"], progress=False)
+    with pytest.raises(ValueError, match="tokenizer"):
+        tune(model, IDS, tokenizer=object(), progress=False)
+    with pytest.raises(ValueError, match="attention_mask"):
+        tune(model, [IDS[0]], attention_mask=MASK[:1], progress=False)
     assert not calls
+
+
+def test_prompts_that_end_at_once_are_refused_clearly():
+    model = tiny_model("llama")
+    first = model.generate(IDS, attention_mask=MASK, max_new_tokens=1, do_sample=False, pad_token_id=0)[:, -1]
+    with pytest.raises(ValueError, match="nothing to tune"):
+        tune(model, IDS, gammas=[2], sparsities=[0.2], eos_token_id=first.tolist(), **COMMON)
 
 
 def test_the_report_round_trips_through_json_and_draws(tmp_path, monkeypatch):

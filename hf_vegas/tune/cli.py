@@ -58,7 +58,8 @@ def main(argv=None) -> TuneReport:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     decoding = dict(do_sample=True, temperature=0.6, top_p=0.95) if args.sample else dict(do_sample=False)
-    report = tune(model, prompts, tokenizer, gammas=args.gammas, sparsities=args.sparsities,
+    strings = bool(args.prompts)  # the default prompts are token ids already
+    report = tune(model, prompts, tokenizer if strings else None, gammas=args.gammas, sparsities=args.sparsities,
                   base_config=VegasConfig(compile=args.compile), max_new_tokens=args.max_new_tokens,
                   timing=args.timing, progress=not args.no_progress, **decoding)
     print(report)

@@ -123,10 +123,17 @@ def _checked_grid(gammas, sparsities) -> tuple[list[int], list[float]]:
 
 
 def _batch(prompts, tokenizer, model, device, mask):
-    """`(input_ids, attention_mask)` for the prompts, left-padded, on `device`."""
+    """`(input_ids, attention_mask)` for the prompts, left-padded, on `device`. An `attention_mask` belongs to tensor
+    prompts and a tokenizer to string prompts: with the other kind they would be ignored, so they are refused."""
     if isinstance(prompts, str):
         prompts = [prompts]
-    if isinstance(prompts, torch.Tensor):
+    tensor = isinstance(prompts, torch.Tensor)
+    if mask is not None and not tensor:
+        raise ValueError("`attention_mask` goes with a (batch, length) tensor of prompts; string and token-list "
+                         "prompts are padded by tune() itself.")
+    if tokenizer is not None and not (not tensor and prompts and all(isinstance(p, str) for p in prompts)):
+        raise ValueError("`tokenizer` is only used to encode string prompts; these are token ids: leave it out.")
+    if tensor:
         if prompts.dim() != 2 or prompts.is_floating_point():
             raise ValueError(f"`prompts` as a tensor must be (batch, length) token ids, got shape "
                              f"{tuple(prompts.shape)}.")
@@ -221,6 +228,9 @@ class _Runner:
             self._warm_up(config)  # this configuration's kernels, compilations and graphs
         out, seconds = self._generate(config, self.new)
         iterations = int(out.accepted.shape[1])
+        if iterations == 0:
+            raise ValueError("Every prompt ended at its first new token (EOS): there is nothing to tune on. Pass "
+                             "prompts that continue, or `eos_token_id=None` to generate a fixed length.")
         # The batch iterates until its slowest row is done: its rate is tokens over iterations, not the rows' mean.
         batch_rate = (self._made(out) / self.ids.shape[0]) / max(iterations, 1)
         rejected = out.accepted[out.accepted >= 0] < config.gamma
