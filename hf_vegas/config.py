@@ -115,6 +115,10 @@ class VegasConfig:
         """Number of prefix tokens a draft reads out of `length` candidates (before any boost)."""
         return min(max(math.ceil(self.sparsity * length), self.min_tokens), length)
 
+    def boost(self, rejection):
+        """The factor a sequence's budget is scaled by at a rejection average `rejection` (a float or a tensor)."""
+        return 1 + (float(self.budget_boost) - 1) * rejection
+
     def max_budget(self, length: int) -> int:
         """The most prefix tokens a boosted sequence's draft reads out of `length` candidates."""
         return math.ceil(min(self.budget(length) * float(self.budget_boost), length))

@@ -118,5 +118,5 @@ def budget_tensor(candidates: torch.Tensor, config: VegasConfig, rejection: torc
     n = candidates.to(torch.float64)
     budget = torch.ceil(config.sparsity * n).clamp_min(config.min_tokens)
     if rejection is not None and config.budget_boost > 1:
-        budget = torch.ceil(budget * (1 + (config.budget_boost - 1) * rejection.to(torch.float64)))
+        budget = torch.ceil(budget * config.boost(rejection.to(torch.float64)))
     return torch.minimum(budget, n).to(torch.long)

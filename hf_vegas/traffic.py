@@ -47,7 +47,7 @@ def vegas_iteration_bytes(model, batch: int, context: int, config: VegasConfig, 
     `budget_boost`, `rejection` (the share of verifications that rejected a draft) scales the budget as it does on
     average (`VegasConfig.budget_boost`)."""
     windows, per_token = _kv_shape(model)
-    budget = config.budget(context) * (1 + (config.budget_boost - 1) * rejection)
+    budget = config.budget(context) * config.boost(rejection)
     drafted = int(min(budget, context)) + 2 * config.gamma  # selection + tail (accepted since, and the drafts)
     draft_visible = sum(min(drafted, context) if w is None else min(w, context) for w in windows)
     draft = weight_bytes(model) + batch * draft_visible * per_token

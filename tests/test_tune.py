@@ -23,8 +23,16 @@ def _modelled_speedup(monkeypatch):
 
 
 def test_the_three_steps_choose_what_their_rules_say(monkeypatch):
+    from hf_vegas.tune import search
+
     _modelled_speedup(monkeypatch)
+    calls = []
+    generate = search._Runner._generate
+    monkeypatch.setattr(search._Runner, "_generate", lambda self, config, new: calls.append(config) or generate(
+        self, config, new))
     report = tune(tiny_model("llama"), IDS, gammas=[4, 2, 6], sparsities=[0.3, 0.1, 0.6], plateau=0.05, **COMMON)
+    distinct = {(r["gamma"], r["sparsity"]) for r in report.grid}
+    assert len(calls) == len(distinct) < len(report.grid), "a configuration two steps share runs once"
     steps = [[r for r in report.grid if r["step"].startswith(n)] for n in "123"]
     assert [len(s) for s in steps] == [3, 3, 3] and report.timing == "traffic"
     assert {r["gamma"] for r in steps[0]} == {6}, "step 1 runs at the largest gamma"

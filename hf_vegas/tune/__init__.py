@@ -6,9 +6,10 @@
 
 The three steps of the paper: (1) at the largest gamma, sweep the sparsity ratio until the tokens accepted per
 iteration stop rising (the smallest ratio within `plateau` of the best); (2) at that ratio, sweep gamma for
-throughput; (3) at the chosen gamma, re-adjust the ratio for throughput. Every configuration generates on the same
-batch (sampling with the same seed: once with traffic timing; with measured timing after warm-up calls, and with
-prefill-only calls timed once per kind), so acceptance is the model's own on these prompts. Predictions use the
+throughput; (3) at the chosen gamma, re-adjust the ratio for throughput (a configuration two steps share runs once).
+Every configuration generates on the same batch (sampling with the same seed: once with traffic timing; with
+measured timing after warm-up calls, and with prefill-only calls timed once per kind), so acceptance is the model's
+own on these prompts. Predictions use the
 batch's tokens per iteration (the batch runs until its slowest row is done) and the boosted budgets its rows drew.
 
 Throughput comes from one of two sources, which the report names (`timing`): "measured" (the wall time of each
