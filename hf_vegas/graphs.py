@@ -99,6 +99,9 @@ class StepGraphs:
         self.disabled_reason: str | None = None
         self.captures = 0
         self.replays = 0
+        # Steps run on their way to a graph (the eager warm-up, the compilation, the capture): their times are not a
+        # replay's (`gamma="auto"` times only iterations without them).
+        self.preparations = 0
 
     def run(self, key: tuple, step, *inputs):
         """`step(*inputs)` through the graph of the step kind `key`.
@@ -109,6 +112,8 @@ class StepGraphs:
         if self.disabled_reason is not None:
             return step(*inputs)
         state = self._steps.get(key)
+        if not isinstance(state, _Captured):
+            self.preparations += 1
         if state is None:
             self._steps[key] = _WARM
             return step(*inputs)
@@ -148,6 +153,7 @@ class StepGraphs:
             with self._compiling(), torch.cuda.graph(graph):  # a private pool: see the class docstring
                 outputs = step(*static)
         except Exception as error:  # noqa: BLE001  (any op of any model may refuse capture; eager always works)
+            _release_the_random_generator()
             self.disabled_reason = f"capturing the {key[0]} step failed ({type(error).__name__}: {error})"
             _log_once(logging.WARNING, f"hf_vegas runs its steps eagerly: {self.disabled_reason}")
             return None
@@ -156,6 +162,25 @@ class StepGraphs:
         self._steps[key] = captured
         self.captures += 1
         return captured
+
+
+def _release_the_random_generator() -> None:
+    """Put CUDA's default random generator back after a capture that failed midway.
+
+    A capture marks the generator as capturing when it begins and unmarks it only when it ends cleanly: after a
+    failed one, every later random op of the process (the eager steps' sampling, and the user's own code) raises
+    "Offset increment outside graph capture encountered unexpectedly". One clean capture of a no-op unmarks it.
+    """
+    if not torch.cuda.is_available():  # nothing was captured (the CPU tests drive the fallback with a fake failure)
+        return
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.zeros(1, device="cuda")
+        del graph
+    except Exception as error:  # noqa: BLE001  (the steps still run eagerly; only random ops would be refused)
+        _log_once(logging.WARNING, f"hf_vegas could not reset CUDA's random generator after the failed capture "
+                  f"({type(error).__name__}: {error}); random ops of this process may raise")
 
 
 def _dynamo_settings():

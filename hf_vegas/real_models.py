@@ -37,7 +37,10 @@ def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device 
     folder, name = smollm2_path()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).to(device).eval()
-    # GGUF loading skips generation_config.json: give generate the chat end token and a pad token.
+    # GGUF loading skips generation_config.json: give generate the chat end token and a pad token. Older
+    # transformers (5.17) leave the tokenizer without a pad token; newer ones read <|im_end|>: the same everywhere.
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = "<|im_end|>"
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos

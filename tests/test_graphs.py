@@ -29,8 +29,8 @@ def _fresh_pool():
     graphs.release_graphs()
 
 
-def _generate(model, ids, mask, **kwargs):
-    common = dict(attention_mask=mask, max_new_tokens=16, pad_token_id=0, return_dict_in_generate=True)
+def _generate(model, ids, mask, max_new_tokens=16, **kwargs):
+    common = dict(attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=0, return_dict_in_generate=True)
     return model.generate(ids, **common, custom_generate="vegas", **SPARSE, **kwargs)
 
 
@@ -226,6 +226,40 @@ def test_failed_capture_falls_back_eagerly_with_one_warning(caplog):
             torch.testing.assert_close(out.sequences, vanilla, rtol=0, atol=0)
     warnings = [r for r in caplog.records if "eagerly" in r.getMessage()]
     assert len(warnings) == 1 and "capturing the" in warnings[0].getMessage()
+
+
+@needs_gpu
+def test_a_failed_capture_leaves_the_random_generator_usable():
+    """A capture that fails after drawing random numbers (the sampled steps draw inside the graph) must not leave
+    CUDA's generator marked as capturing: the eager steps' sampling and the user's own random ops go on working."""
+    model = tiny_model("llama").cuda()
+
+    def syncs_while_capturing(module, args):
+        if torch.cuda.is_current_stream_capturing():
+            args[0].sum().item()
+
+    model.model.layers[1].register_forward_pre_hook(syncs_while_capturing)
+    ids, mask = (t.cuda() for t in ragged_batch([50, 33]))
+    torch.manual_seed(0)
+    for _ in range(2):
+        out = _generate(model, ids, mask, vegas_gamma=3, do_sample=True, top_p=0.9)
+        assert out.sequences.shape[1] == ids.shape[1] + 16
+    assert "capturing the" in _pooled_graphs(model).disabled_reason
+    assert torch.rand(1000, device="cuda").std() > 0.1
+
+
+@needs_gpu
+def test_auto_gamma_replays_its_graphs_and_a_later_call_starts_where_the_last_ended():
+    model = tiny_model("llama").cuda()
+    ids, mask = (t.cuda() for t in ragged_batch([80, 61, 37]))
+    vanilla = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    first = _generate(model, ids, mask, vegas_gamma="auto", max_new_tokens=40)
+    second = _generate(model, ids, mask, vegas_gamma="auto", max_new_tokens=40)
+    for out in (first, second):
+        torch.testing.assert_close(out.sequences, vanilla, rtol=0, atol=0)
+    assert second.gammas[0] == first.gammas[-1]
+    steps = _pooled_graphs(model)
+    assert steps.disabled_reason is None and steps.replays > 0
 
 
 # -- CPU counterparts -------------------------------------------------------------------------------------------
