@@ -22,6 +22,8 @@ Every record (GPU, versions, commit, workload, config, times, bounds) is appende
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import time
 from pathlib import Path
 
@@ -75,6 +77,7 @@ def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfi
     return dict(graphs=graphs, decode_seconds=timer.decode_seconds(), step_ms=timer.median_ms()["wall"],
                 split_ms=timer.median_ms(), iterations=out.accepted.shape[1],
                 tokens_per_iteration=float((accepted + 1).float().mean()),
+                gammas_run={str(g): n for g, n in sorted(collections.Counter(out.gammas.tolist()).items())},
                 rows=row_acceptance(out.accepted, mask, new_tokens), new_tokens=out.sequences.shape[1] - ids.shape[1],
                 **_peak_memory()), out.sequences
 
@@ -135,6 +138,14 @@ def bound(model, workload, method, new_tokens, config, tokens_per_iteration, ban
     return dict(bound_step_bytes=step_bytes, bound_step_ms=seconds * 1e3, bound_tokens_per_s=tokens / seconds)
 
 
+def _gamma(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--gamma takes an integer >= 1 or auto, got {text!r}")
+    return int(text)
+
+
 def _inductor_options(pairs: list[str]) -> dict:
     """`["combo_kernels=True"]` -> `{"combo_kernels": True}`, each option checked against torch's inductor config."""
     import ast
@@ -167,7 +178,7 @@ def main() -> None:
                         help="default: greedy and sample (with --sweep: greedy)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="real models")
     parser.add_argument("--shape-new-tokens", type=int, default=32, help="random-weight shapes (timing only)")
-    parser.add_argument("--gamma", type=int, default=6)
+    parser.add_argument("--gamma", type=_gamma, default=6, help="an integer >= 1, or auto (vegas_gamma='auto')")
     parser.add_argument("--sparsity", type=float, default=0.07)
     parser.add_argument("--min-tokens", type=int, default=256)
     parser.add_argument("--budget-boost", type=float, default=hf_vegas.VegasConfig.budget_boost,
@@ -258,6 +269,10 @@ def main() -> None:
 
 
 def _add_throughput(record, model, workload, method, new_tokens, config, records, bandwidth) -> None:
+    if config is not None and config.gamma == "auto":  # the bound of the gamma that ran most (0: the dense path)
+        ran = record["gammas_run"]
+        gamma = int(max(ran, key=ran.get))
+        config, method = (dataclasses.replace(config, gamma=gamma), method) if gamma else (None, "dense")
     speculative = method in ("vegas", "streaming")
     if speculative and not workload.real_weights:  # acceptance of random weights means nothing: project
         tpi = _projected_tpi(records, method, record["decoding"], record)

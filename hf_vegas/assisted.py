@@ -35,6 +35,9 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
     config = resolve_config(vegas_config, **flat)
     if config.gamma == 0:
         raise ValueError("`vegas_gamma=0` (no drafts) has nothing to assist: use hf_vegas.generate, or gamma >= 1.")
+    if config.gamma == "auto":
+        raise ValueError("`vegas_gamma='auto'` runs in hf_vegas.generate; HF's assisted loop drafts a fixed number of "
+                         "tokens: pass an integer gamma >= 1.")
     if config.compile:
         raise ValueError(
             "`vegas_compile=True` compiles captured steps; HF's assisted loop runs eagerly. Leave it off."

@@ -28,6 +28,9 @@ class VegasCandidateGenerator(CandidateGenerator):
     """
 
     def __init__(self, model, cache: VegasCache, logits_processor, do_sample: bool):
+        if cache.vegas_config.gamma == "auto":
+            raise ValueError("`vegas_gamma='auto'` runs in hf_vegas.generate; HF's assisted loop drafts a fixed "
+                             "number of tokens: give the cache an integer gamma >= 1.")
         self.cache = cache
         self.runner = StepRunner(model, cache, logits_processor, do_sample)
 

@@ -17,6 +17,8 @@ from . import selection
 SCORES = ("logits", "weights")
 POLICIES = tuple(selection.POLICIES)  # one class per policy in `hf_vegas.selection`
 BACKENDS = ("torch", "triton", "auto")
+# The draft lengths `gamma="auto"` moves between (each a step shape with graphs of its own), and 0: the dense path.
+AUTO_GAMMAS = (2, 4, 6, 8)
 
 
 @dataclass(frozen=True)
@@ -25,11 +27,13 @@ class VegasConfig:
     Configuration of Vegas self-speculative decoding.
 
     Args:
-        gamma (`int`, *optional*, defaults to 6):
+        gamma (`int` or `"auto"`, *optional*, defaults to 6):
             Number of tokens drafted per iteration. Each iteration verifies `gamma` draft tokens plus the bonus
             position in one full-attention forward. `0` turns drafting off: plain one-token-per-step decoding over the
             same cache, kernels and CUDA graphs (the dense baseline of the benchmarks); the selection fields must
-            then keep their defaults, as nothing reads them.
+            then keep their defaults, as nothing reads them. `"auto"` chooses it during the generation among
+            `AUTO_GAMMAS` and 0, from the acceptance so far and the measured step times (`hf_vegas.auto_gamma`);
+            any choice is lossless.
         sparsity (`float`, *optional*, defaults to 0.07):
             Fraction of the prefix that draft attention reads, in `(0, 1]`, per (sequence, full-attention layer).
         min_tokens (`int`, *optional*, defaults to 256):
@@ -71,7 +75,7 @@ class VegasConfig:
             they are; the model is restored when `generate` returns (see `hf_vegas.fused_projections`).
     """
 
-    gamma: int = 6
+    gamma: int | str = 6
     sparsity: float = 0.07
     min_tokens: int = 256
     budget_boost: float = 2.0
@@ -83,8 +87,9 @@ class VegasConfig:
     fuse_projections: bool = True
 
     def __post_init__(self):
-        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 0:
-            raise ValueError(f"`vegas_gamma` must be an integer >= 0 (0: no drafting), got {self.gamma!r}.")
+        integer = not isinstance(self.gamma, bool) and isinstance(self.gamma, int) and self.gamma >= 0
+        if self.gamma != "auto" and not integer:
+            raise ValueError(f"`vegas_gamma` must be an integer >= 0 (0: no drafting) or 'auto', got {self.gamma!r}.")
         for name in ("cuda_graphs", "compile", "fuse_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`vegas_{name}` must be True or False, got {getattr(self, name)!r}.")
@@ -110,6 +115,11 @@ class VegasConfig:
                 raise ValueError(
                     f"`vegas_gamma=0` decodes without drafts, so {unused} would have no effect; leave them unset."
                 )
+
+    @property
+    def max_gamma(self) -> int:
+        """The longest draft this config can run (what the cache and the selection are sized for)."""
+        return max(AUTO_GAMMAS) if self.gamma == "auto" else self.gamma
 
     def budget(self, length: int) -> int:
         """Number of prefix tokens a draft reads out of `length` candidates (before any boost)."""

@@ -21,9 +21,10 @@ import contextvars
 import torch
 
 from . import graphs, prompt_cache, validation
+from .auto_gamma import GammaController
 from ._compat import internals as compat
 from .attention import active_cache, select_from_rows, vegas_attention
-from .config import VegasConfig, resolve_config
+from .config import AUTO_GAMMAS, VegasConfig, resolve_config
 from .cpu_linears import weights_left_linears
 from .draft_layers import in_draft_steps
 from .ops import backend
@@ -116,7 +117,7 @@ def generate(
     real_len = prompt.shape[1] - left_pad
     # A row ends at most at prompt + max_new + gamma committed slots (it can stop inside its last chunk) and rows
     # that ended keep being drafted and verified, gamma + 1 slots further, until the whole batch ends.
-    capacity = int(real_len.max()) + max_new + 2 * config.gamma + 1
+    capacity = int(real_len.max()) + max_new + 2 * config.max_gamma + 1
     validation.check_layers(model, capacity)
     if _CHECKS_ONLY.get():
         return input_ids
@@ -131,12 +132,13 @@ def generate(
         loop = _Loop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
                      generation_config, streamer, recorder)
         sequences, accepted = loop.run(inputs_embeds, prefix)
+        gammas = torch.tensor(loop.gammas, dtype=torch.long)
     new_tokens = sequences.shape[1] - input_ids.shape[1]
     scores, logits = recorder.tuples(new_tokens, compat.pad_token_tensor(generation_config))
     # A pooled cache (CUDA graphs) belongs to the pool: the next generate call of its bucket overwrites it, and an
     # output that held it would keep gigabytes alive beside the next bucket's cache. Only an own cache is returned.
     own_cache = cache if step_graphs is None else None
-    output = VegasGenerateOutput(sequences=sequences, scores=scores, logits=logits, accepted=accepted,
+    output = VegasGenerateOutput(sequences=sequences, scores=scores, logits=logits, accepted=accepted, gammas=gammas,
                                  **{compat.CACHE_KEYWORD: own_cache})
     return _finish(sequences, output, generation_config, streamer)
 
@@ -147,6 +149,7 @@ def _finish(sequences, output, generation_config, streamer):
     if generation_config.return_dict_in_generate:
         if output is None:  # nothing to generate
             output = VegasGenerateOutput(sequences=sequences, accepted=sequences.new_zeros(sequences.shape[0], 0),
+                                         gammas=torch.zeros(0, dtype=torch.long),
                                          scores=() if generation_config.output_scores else None,
                                          logits=() if generation_config.output_logits else None)
         return output
@@ -159,9 +162,14 @@ class _Loop:
     def __init__(self, model, cache, step_graphs, input_ids, left_pad, max_new, processors, stopping_criteria,
                  gen_config, streamer, recorder: StepRecorder):
         self.cache, self.streamer, self.recorder = cache, streamer, recorder
-        self.gamma = cache.vegas_config.gamma
+        config = cache.vegas_config
         self.do_sample = bool(gen_config.do_sample)
         self.runner = StepRunner(model, cache, processors, self.do_sample, graphs=step_graphs)
+        # `gamma="auto"`: a controller picks each iteration's gamma (`hf_vegas.auto_gamma`); `gammas` records them.
+        self.auto = (GammaController(AUTO_GAMMAS, input_ids.shape[0], input_ids.device, pool_key=step_graphs)
+                     if config.gamma == "auto" else None)
+        self.gamma = self.auto.gamma if self.auto is not None else config.gamma
+        self.gammas: list[int] = []
         self.pipeline = self.runner.pipeline
         self.stopper = ChunkStopper(stopping_criteria, compat.eos_token_tensor(gen_config), input_ids.device)
         self.pad_id = compat.pad_token_tensor(gen_config)
@@ -169,7 +177,8 @@ class _Loop:
         batch, width = input_ids.shape
         device = input_ids.device
         # Every row's history in vanilla's layout (left pads, prompt, generated) plus room for one chunk.
-        self.tokens = torch.zeros(batch, width + max_new + self.gamma + 1, dtype=input_ids.dtype, device=device)
+        self.tokens = torch.zeros(batch, width + max_new + config.max_gamma + 1, dtype=input_ids.dtype,
+                                  device=device)
         self.tokens[:, :width] = input_ids
         # Row state on the device (what the steps read) and its host copy (what the loop's decisions read), both
         # advanced by the same `keep` counts in `_commit`.
@@ -205,12 +214,29 @@ class _Loop:
         if self.recorder.active:
             self.recorder.add(scores[:, None], logits[:, -1:], self.kept)
         accepted = []
-        while any(self._active()):
+        while any(active_host := self._active()):
             active = self._active_on_device()
             self.cache.plan.row_active.copy_(active)
+            if self.auto is not None:
+                self.gamma = self.auto.gamma
+                self.runner.set_gamma(self.gamma)
+            self.gammas.append(self.gamma)
+            prepared = self._preparations()
             accepted.append(torch.where(active, self._iterate(active), -1))
+            if self.auto is not None:
+                self.auto.observe(self._observed(active_host), timed=self._preparations() == prepared)
         stats = torch.stack(accepted, dim=1) if accepted else first.new_zeros(first.shape[0], 0)
         return self._sequences(self.input_ids.shape[1]), stats
+
+    def _preparations(self) -> int:
+        return 0 if self.runner.graphs is None else self.runner.graphs.preparations
+
+    def _observed(self, active: list[bool]) -> list[int | None]:
+        """Drafts each row accepted in the last iteration, from its kept count (None where a stop or the length
+        budget may have cut the chunk, or the row was inactive)."""
+        limit = self._limit()
+        return [kept - 1 if live and not stopped and generated < limit else None
+                for live, kept, stopped, generated in zip(active, self.kept, self.stopped_now, self.generated)]
 
     def _limit(self) -> int:
         """Tokens a row generates before it stops decoding (without EOS, finished rows go on to the longest row)."""
@@ -237,8 +263,12 @@ class _Loop:
             drafts = draft_scores = None
             logits = self.runner.decode(self.pending)
         else:
+            if self.auto is not None:
+                self.auto.draft_starts()
             drafts, draft_scores = self.runner.draft(self.pending, self.tokens, self.history, start=self.history_t,
                                                      keep_scores=self.do_sample)
+            if self.auto is not None:
+                self.auto.draft_ends()
             logits = self.runner.verify(self.pending, drafts)
         budget = self.max_new - self.generated_t
         graphs, key = self.runner.graphs, self.pipeline.capture_key
@@ -307,7 +337,7 @@ class _Loop:
         self.finished = [f or bool(s) for f, s in zip(self.finished, stopped_host)]
         self.first_stop = [g if first is None and f else first
                            for first, g, f in zip(self.first_stop, self.generated, self.finished)]
-        self.kept = keep_host
+        self.kept, self.stopped_now = keep_host, stopped_host
         return keep
 
     def _sequences(self, width: int) -> torch.Tensor:

@@ -19,9 +19,13 @@ class VegasGenerateOutput(GenerateDecoderOnlyOutput):
         accepted (`torch.LongTensor` of shape `(batch_size, num_iterations)`):
             Draft tokens accepted by each row in each draft/verify iteration; `-1` where the row had already
             finished. Each active iteration also yields one more token (the correction or bonus token).
+        gammas (`torch.LongTensor` of shape `(num_iterations,)`):
+            The draft length each iteration ran (0: a dense step); with `vegas_gamma="auto"`, what the controller
+            chose (`hf_vegas.auto_gamma`).
     """
 
     accepted: torch.LongTensor | None = None
+    gammas: torch.LongTensor | None = None
 
     @property
     def tokens_per_iteration(self) -> float:

@@ -36,10 +36,16 @@ class StepRunner:
     def __init__(self, model, cache: VegasCache, logits_processor, do_sample: bool, graphs: StepGraphs | None = None):
         self.model = model
         self.cache = cache
-        self.gamma = cache.vegas_config.gamma
+        self.gamma = cache.selection.gamma  # `set_gamma` moves it (`gamma="auto"`)
         self.pipeline = LogitsPipeline(logits_processor, kernels=cache.backend == "triton")
         self.do_sample = do_sample
         self.graphs = graphs
+
+    def set_gamma(self, gamma: int) -> None:
+        """Draft `gamma` tokens from the next iteration on (0: the next steps are dense `decode`s)."""
+        self.gamma = gamma
+        if gamma > 0:
+            self.cache.selection.gamma = gamma
 
     # -- the forwards --------------------------------------------------------------------------------------------
     def prefill(self, inputs: torch.Tensor, left_pad: torch.Tensor | None = None) -> torch.Tensor:

@@ -31,7 +31,7 @@ class SelectionState:
         self.max_selected = config.max_budget(capacity)
         # A draft reads the selection plus the tail since `sel_end`: at most gamma accepted tokens and gamma drafts
         # (+1 for prefill's pending token). Kernels size their splits with it; it is a hint, never a cut.
-        tail = 2 * config.gamma + 1
+        tail = 2 * config.max_gamma + 1
         self.draft_list_len = self.max_selected + tail
         # With a boost, no split of a draft's attention takes more than an unboosted list, so the boosted rows' longer
         # lists run in more programs rather than longer ones (the kernel lasts as long as its longest program).
@@ -40,6 +40,8 @@ class SelectionState:
         self.sel_count = torch.zeros(batch_size, **long)
         self.sel_end = torch.zeros(batch_size, **long)
         self.has_selection = False
+        # The draft length of the current iteration (fixed, or moved by `gamma="auto"` through `StepRunner.set_gamma`).
+        self.gamma = config.max_gamma
         # Per row, a running average of "the last verification rejected a draft", which scales its budget.
         self.rejection = torch.zeros(batch_size, dtype=torch.float32, device=device)
         # The query rows whose scores rank the candidates in this forward (None: not selecting, or by position).
@@ -57,7 +59,7 @@ class SelectionState:
 
     def selecting(self, mode: str) -> bool:
         """Whether a forward of `mode` chooses the next draft's slots (prefill and verify, when drafting at all)."""
-        return mode in ("prefill", "verify") and self.config.gamma > 0
+        return mode in ("prefill", "verify") and self.config.gamma != 0
 
     def prepare(self, plan: StepPlan, num_tokens: int) -> None:
         """At layer 0, after `plan.lay_out`: the candidates, budget and scored rows of this forward, if it selects.
@@ -68,7 +70,7 @@ class SelectionState:
         self.score_rows = None
         if not self.selecting(plan.mode):
             return
-        pending_row = max(num_tokens - self.config.gamma - 1, 0)
+        pending_row = max(num_tokens - self.gamma - 1, 0)
         if plan.mode == "prefill":
             self.sel_end.copy_(plan.lengths)
         else:
@@ -100,7 +102,7 @@ class SelectionState:
         """After a verification: fold whether each active row rejected a draft into its `rejection` average (the
         budget boost reads it). A no-op without a boost."""
         if self.config.budget_boost > 1:
-            rejected = (accepted < self.config.gamma).to(self.rejection.dtype)
+            rejected = (accepted < self.gamma).to(self.rejection.dtype)
             self.rejection.copy_(torch.where(active, 0.5 * (self.rejection + rejected), self.rejection))
 
     def restart(self) -> None:

@@ -32,6 +32,8 @@ BAD = [
     (dict(vegas_cuda_graphs="yes"), "vegas_cuda_graphs` must be True or False"),
     (dict(vegas_compile=True, vegas_cuda_graphs=False), "vegas_compile=True` compiles the captured steps"),
     (dict(vegas_gamma=2.5), "vegas_gamma"),
+    (dict(vegas_gamma="Auto"), "or 'auto'"),
+    (dict(vegas_gamma="6"), "or 'auto'"),
     (dict(vegas_sparsity=0.0), "vegas_sparsity"),
     (dict(vegas_sparsity=1.5), "vegas_sparsity"),
     (dict(vegas_min_tokens=0), "vegas_min_tokens"),

@@ -1,0 +1,187 @@
+"""`vegas_gamma="auto"` (`hf_vegas.auto_gamma`): the controller's predictions and choices under known step times, and
+the loop staying lossless while gamma moves from one iteration to the next (dense steps included)."""
+
+import logging
+import random
+
+import pytest
+import torch
+
+import hf_vegas
+from hf_vegas import auto_gamma
+from hf_vegas.assisted import assisted_generate
+from hf_vegas.auto_gamma import GammaController, expected_tokens
+from hf_vegas.config import AUTO_GAMMAS
+
+from distribution import ROWS, chi_square_p_value, exact_distribution, vegas_samples
+from tiny_models import ragged_batch, tiny_model
+
+SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=8)
+
+
+def test_expected_tokens_matches_a_simulated_geometric_acceptance():
+    rng = random.Random(0)
+    for acceptance, gamma in [(0.9, 6), (0.5, 2), (0.99, 8), (0.0, 4)]:
+        draws = 40_000
+        total = 0
+        for _ in range(draws):
+            accepted = 0
+            while accepted < gamma and rng.random() < acceptance:
+                accepted += 1
+            total += accepted + 1
+        assert abs(total / draws - expected_tokens(acceptance, gamma)) < 0.03 * expected_tokens(acceptance, gamma)
+
+
+class _FakeClock:
+    """Drives a controller with given step times: every iteration of gamma g takes g * draft + rest[g] (or dense)."""
+
+    def __init__(self, controller, monkeypatch, draft: float, rest: dict, dense: float):
+        self.controller, self.draft, self.rest, self.dense, self.now = controller, draft, rest, dense, 0.0
+        monkeypatch.setattr(auto_gamma.time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(controller, "_draft_seconds", lambda: controller.gamma * self.draft)
+
+    def iterate(self, acceptance: float, rng: random.Random, rows: int) -> int:
+        gamma = self.controller.gamma
+        self.now += self.dense if gamma == 0 else gamma * self.draft + self.rest[gamma]
+        accepted = []
+        for _ in range(rows):
+            n = 0
+            while n < gamma and rng.random() < acceptance:
+                n += 1
+            accepted.append(n)
+        self.controller.observe(accepted, timed=True)
+        return gamma
+
+
+def _run(monkeypatch, draft, rest, dense, acceptance, iterations=80, rows=16):
+    controller = GammaController(AUTO_GAMMAS, rows, torch.device("cpu"))
+    clock = _FakeClock(controller, monkeypatch, draft, rest, dense)
+    rng = random.Random(1)
+    return controller, [clock.iterate(acceptance, rng, rows) for _ in range(iterations)]
+
+
+def _true_rate(gamma, draft, rest, dense, acceptance):
+    return 1 / dense if gamma == 0 else expected_tokens(acceptance, gamma) / (gamma * draft + rest[gamma])
+
+
+def test_a_cheap_draft_step_settles_on_the_best_drafting_gamma_after_trying_the_dense_path(monkeypatch):
+    """The batch-64 shape: a draft step costs a quarter of a dense one, the verification a bit more than it."""
+    draft, rest, dense, acceptance = 1.5, {g: 8.0 + 0.1 * g for g in AUTO_GAMMAS}, 6.0, 0.85
+    controller, gammas = _run(monkeypatch, draft, rest, dense, acceptance)
+    best = max(AUTO_GAMMAS, key=lambda g: _true_rate(g, draft, rest, dense, acceptance))
+    assert 0 in gammas, "the dense path could win until it is timed: it must be tried"
+    settled = gammas[-1]
+    assert gammas[-20:] == [settled] * 20 and settled > 0
+    assert _true_rate(settled, draft, rest, dense, acceptance) >= (1 - auto_gamma.MARGIN) * _true_rate(
+        best, draft, rest, dense, acceptance)
+    assert controller.times.dense == pytest.approx(dense)
+
+
+def test_a_draft_step_as_dear_as_a_dense_one_decodes_densely_and_says_so_once(monkeypatch, caplog):
+    """The batch-1 shape: weights dominate, a draft step costs what a dense step does."""
+    with caplog.at_level(logging.INFO, logger="hf_vegas"):
+        _, gammas = _run(monkeypatch, draft=5.0, rest={g: 5.5 for g in AUTO_GAMMAS}, dense=5.0, acceptance=0.7)
+    assert gammas[-40:] == [0] * 40
+    said = [r.getMessage() for r in caplog.records if "decodes densely" in r.getMessage()]
+    assert len(said) == 1 and "x the dense path" in said[0]
+
+
+def test_low_acceptance_prefers_short_drafts_and_high_acceptance_long_ones(monkeypatch):
+    rest = {g: 8.0 for g in AUTO_GAMMAS}
+    _, low = _run(monkeypatch, draft=1.0, rest=rest, dense=7.9, acceptance=0.5)
+    _, high = _run(monkeypatch, draft=1.0, rest=rest, dense=7.9, acceptance=0.97)
+    assert low[-1] < high[-1]
+    assert low[-1] == max(AUTO_GAMMAS, key=lambda g: _true_rate(g, 1.0, rest, 7.9, 0.5))
+    assert high[-1] == max(AUTO_GAMMAS)
+
+
+def test_untimed_iterations_leave_the_times_alone(monkeypatch):
+    controller = GammaController(AUTO_GAMMAS, 2, torch.device("cpu"))
+    clock = _FakeClock(controller, monkeypatch, draft=1.0, rest={g: 4.0 for g in AUTO_GAMMAS}, dense=3.0)
+    controller.observe([None, None], timed=True)  # the first sync only starts the clock
+    clock.now += 1000.0  # a capture or a compilation
+    controller.observe([3, 6], timed=False)
+    assert controller.times.draft_step is None and not controller.times.rest
+    clock.iterate(0.9, random.Random(0), 2)
+    assert controller.times.rest[controller.gamma] == pytest.approx(4.0)
+
+
+def test_a_pooled_bucket_keeps_its_times_and_starts_where_the_last_call_ended(monkeypatch):
+    bucket = object.__new__(type("Bucket", (), {}))  # any weak-referenceable object stands for pooled graphs
+    first = GammaController(AUTO_GAMMAS, 4, torch.device("cpu"), pool_key=bucket)
+    clock = _FakeClock(first, monkeypatch, draft=5.0, rest={g: 5.5 for g in AUTO_GAMMAS}, dense=5.0)
+    for _ in range(40):
+        clock.iterate(0.7, random.Random(0), 4)
+    assert first.gamma == 0
+    second = GammaController(AUTO_GAMMAS, 4, torch.device("cpu"), pool_key=bucket)
+    assert second.gamma == 0 and second.times is first.times
+    assert GammaController(AUTO_GAMMAS, 4, torch.device("cpu")).gamma == 6  # a fresh bucket starts in the middle
+
+
+# -- the loop with a moving gamma -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def schedule(monkeypatch):
+    """Replaces the controller's decisions with a fixed cycle of gammas, one per iteration (0: a dense step)."""
+    cycle = [2, 0, 8, 4, 0, 0, 6, 2, 8]
+
+    def observe(self, accepted, timed):
+        self.step = getattr(self, "step", 0) + 1
+        self.gamma = cycle[self.step % len(cycle)]
+
+    monkeypatch.setattr(GammaController, "observe", observe)
+    return cycle
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_greedy_stays_vanilla_while_gamma_moves(arch, schedule):
+    model = tiny_model(arch)
+    ids, mask = ragged_batch([80, 61, 37])
+    common = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **common)
+    out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma="auto", return_dict_in_generate=True,
+                         **SPARSE)
+    torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
+    ran = out.gammas.tolist()
+    assert ran[: len(schedule)] == [6, *schedule[1:]], "the output records the gamma each iteration ran"
+    dense = out.gammas == 0
+    assert bool((out.accepted[:, dense] <= 0).all()) and bool((out.accepted[:, ~dense] >= 1).any())
+
+
+def test_sampling_keeps_vanilla_distribution_while_gamma_moves(schedule, monkeypatch):
+    monkeypatch.setattr(auto_gamma, "START", 2)  # three new tokens take two iterations: a short draft, a dense step
+    model = tiny_model("llama", seed=3)
+    prompt = torch.randint(1, 128, (1, 48), generator=torch.Generator().manual_seed(3))
+    counts, out = vegas_samples(model, prompt, vegas_gamma="auto", vegas_sparsity=0.05, vegas_min_tokens=2)
+    p_value = chi_square_p_value(counts, exact_distribution(model, prompt), ROWS)
+    print(f"moving gamma: p={p_value:.3g} gammas={out.gammas.tolist()}")
+    assert out.gammas.tolist()[:2] == [2, 0]
+    assert (out.accepted[:, 0] < 2).any(), "some drafts must be rejected to exercise resampling"
+    assert p_value > 1e-3
+
+
+def test_auto_greedy_on_the_real_model_is_vanilla(smollm2):
+    model, tokenizer = smollm2
+    ids = hf_vegas.real_models.long_prompt(tokenizer, 1024)
+    expected = model.generate(ids, max_new_tokens=48, do_sample=False)
+    out = model.generate(ids, max_new_tokens=48, do_sample=False, custom_generate="vegas", vegas_gamma="auto",
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.gammas[0] == 6 and out.gammas.numel() == out.accepted.shape[1]
+
+
+def test_fixed_gammas_are_recorded_as_they_ran():
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([30, 20])
+    for gamma in (0, 3):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                             custom_generate="vegas", vegas_gamma=gamma, return_dict_in_generate=True)
+        assert out.gammas.tolist() == [gamma] * out.accepted.shape[1]
+
+
+def test_the_assisted_loop_refuses_auto():
+    model = tiny_model("llama")
+    ids, _ = ragged_batch([30])
+    with pytest.raises(ValueError, match="vegas_gamma='auto'"):
+        assisted_generate(model, ids, vegas_gamma="auto", max_new_tokens=4)
