@@ -83,6 +83,8 @@ def vegas_attention_forward(
     if selecting:
         sel.selected_layers.add(module.layer_idx)
     if plan.mode == "draft" and full_layer:
+        if sel.policy.selects_while_drafting:
+            _select_for_the_draft_query(cache, module.layer_idx, query, key, scaling, softcap, sinks)
         draft_attention = kernels.sparse_draft_attention if kernels else ops.sparse_draft_attention
         extra = dict(list_len=sel.draft_list_len, split_len=sel.draft_split_len) if kernels else {}
         out = draft_attention(
@@ -159,6 +161,9 @@ def _flush_emitted(cache: VegasCache, layer_idx: int) -> None:
 def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap, sinks=None) -> None:
     """Choose the next draft's slots for this layer from this prefill/verify forward (no host sync)."""
     plan, sel, config = cache.plan, cache.selection, cache.vegas_config
+    if sel.policy.selects_while_drafting:  # candidates and budget are set; each draft step picks its slots
+        sel.has_selection = True
+        return
     if sel.score_rows is None:  # a policy that selects by position alone
         sel.store(layer_idx, sel.policy.select_by_position(sel.sel_count, sel.sel_end, sel.max_selected))
         return
@@ -172,6 +177,14 @@ def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap, sin
         return
     sel.store(layer_idx, reference.select_topk(scores.mean(dim=1), sel.max_selected))
     _flush_emitted(cache, layer_idx)  # earlier layers of this forward may have taken the kernel path
+
+
+def _select_for_the_draft_query(cache: VegasCache, layer_idx: int, query, key, scaling, softcap, sinks) -> None:
+    """The oracle policy: this draft step's own attention weights over the candidates choose its slots."""
+    plan, sel = cache.plan, cache.selection
+    scores = _torch_ops(cache).row_scores(query, key, plan.query_slots, plan.lengths, sel.sel_end, scaling, "weights",
+                                          softcap, sinks=sinks)
+    sel.store(layer_idx, reference.select_topk(scores[:, 0], sel.max_selected))
 
 
 def select_from_rows(cache: VegasCache, rows: torch.Tensor) -> None:

@@ -172,6 +172,10 @@ def fused_draft_layers(model, cache):
     as fused launches (Triton backend); every other forward runs as before. Yields the number of layers fused."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     patched = []
+    # A fused layer calls the sparse kernel itself: it would skip a policy that chooses in the attention function.
+    if cache.selection.policy.selects_while_drafting:
+        yield 0
+        return
     try:
         for layer in decoder.modules():
             parts = layer_parts(layer)

@@ -10,7 +10,9 @@ the attention function ask:
   rows); None when it selects from positions alone (`select_by_position` is then called instead);
 - `deferred(mode)`: whether it keeps each scored row's scores until acceptance says which row to use (the loop then
   calls `attention.select_from_rows` with the kept row of each sequence);
-- `no_graph_reason`: why its steps cannot be captured as CUDA graphs, or None.
+- `no_graph_reason`: why its steps cannot be captured as CUDA graphs, or None;
+- `selects_while_drafting`: whether each draft step chooses its own slots instead (the oracle): prefill and
+  verification then only set the candidates and the budget.
 
 A new policy is a new class in `POLICIES`; `VegasConfig(policy=...)` accepts its name.
 """
@@ -27,6 +29,7 @@ class Collect2Query:
 
     name = "vegas"
     no_graph_reason = None
+    selects_while_drafting = False
 
     def score_rows(self, mode: str, num_tokens: int, pending_row: int) -> list[int] | None:
         return [num_tokens - 1] if mode == "prefill" else sorted({pending_row, num_tokens - 1})
@@ -41,6 +44,7 @@ class LastToken:
 
     name = "last_token"
     no_graph_reason = "policy 'last_token' selects after acceptance, outside the captured verify forward"
+    selects_while_drafting = False
 
     def score_rows(self, mode: str, num_tokens: int, pending_row: int) -> list[int] | None:
         return [num_tokens - 1] if mode == "prefill" else list(range(pending_row, num_tokens))
@@ -54,6 +58,7 @@ class Streaming:
 
     name = "streaming"
     no_graph_reason = None
+    selects_while_drafting = False
     sink_tokens = 4
 
     def score_rows(self, mode: str, num_tokens: int, pending_row: int) -> list[int] | None:
@@ -66,7 +71,24 @@ class Streaming:
         return reference.streaming_select(sel_count, sel_end, k_max, self.sink_tokens)
 
 
-POLICIES = {policy.name: policy for policy in (Collect2Query(), Streaming(), LastToken())}
+class Oracle:
+    """The upper bound every policy is judged against (an acceptance study, not a speed-up): at each draft step,
+    every full-attention layer reads the budget's worth of candidates its own draft query attends to most (softmax
+    weights averaged over query heads, computed exactly over the whole prefix, so the draft reads all of it to
+    choose). No policy that chooses before the draft knows those queries."""
+
+    name = "oracle"
+    no_graph_reason = "policy 'oracle' scores the whole prefix at every draft step (an acceptance study, run eagerly)"
+    selects_while_drafting = True
+
+    def score_rows(self, mode: str, num_tokens: int, pending_row: int) -> list[int] | None:
+        return None
+
+    def deferred(self, mode: str) -> bool:
+        return False
+
+
+POLICIES = {policy.name: policy for policy in (Collect2Query(), Streaming(), LastToken(), Oracle())}
 
 
 def policy(name: str):

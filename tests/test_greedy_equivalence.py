@@ -71,7 +71,7 @@ def test_more_architectures_greedy_match_vanilla(arch, entry):
     assert full_layers == list(range(model.config.num_hidden_layers)), "every layer is sparse"
 
 
-@pytest.mark.parametrize("policy", ["vegas", "streaming", "last_token"])
+@pytest.mark.parametrize("policy", ["vegas", "streaming", "last_token", "oracle"])
 @pytest.mark.parametrize("score", ["logits", "weights"])
 def test_every_policy_and_score_is_lossless(policy, score):
     model = tiny_model("llama", seed=1)

@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 
+import hf_vegas.cache
 from hf_vegas import VegasConfig
 from hf_vegas.attention import active_cache, vegas_attention_forward
 from hf_vegas.cache import VegasCache
@@ -69,6 +70,48 @@ def test_verify_selection_is_eq3(score, groups):
                                    candidates, budget,
                                    dim**-0.5, groups, score)
         assert ours == expected
+
+
+@pytest.mark.parametrize("eager_ops", [False, True])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_oracle_draft_reads_the_draft_querys_own_top_weights(groups, eager_ops, monkeypatch):
+    """The oracle policy: a draft step's slots are the candidates its own query weighs most (softmax over every slot
+    it sees, summed over heads), not anything a verification chose."""
+    monkeypatch.setattr(hf_vegas.cache, "uses_eager_ops", lambda backend, device: eager_ops)
+    torch.manual_seed(1)
+    batch, kv_heads, dim, gamma = 3, 2, 16, 3
+    heads = kv_heads * groups
+    config = VegasConfig(gamma=gamma, sparsity=0.2, min_tokens=5, policy="oracle")
+    model_config = types.SimpleNamespace(
+        get_text_config=lambda decoder=True: types.SimpleNamespace(num_hidden_layers=1, layer_types=None)
+    )
+    cache = VegasCache(model_config, batch, capacity=64, vegas_config=config)
+    prefix = torch.tensor([40, 17, 29])
+    cache.plan.lengths.copy_(prefix)
+    module = types.SimpleNamespace(layer_idx=0, head_dim=dim)
+    cache.begin("verify")
+    fresh = torch.randn(batch, kv_heads, gamma + 1, dim)
+    k_all, v_all = cache.update(fresh, fresh, 0)
+    k_all[:, :, :] = torch.randn_like(k_all)
+    with active_cache(cache):
+        vegas_attention_forward(module, torch.randn(batch, heads, gamma + 1, dim), k_all, v_all, None,
+                                scaling=dim**-0.5)
+    sel = cache.selection
+    candidates = sel.sel_end.clone()
+    cache.plan.rollback(prefix + 2)  # two tokens kept: the draft starts after them
+    cache.begin("draft")
+    k_all, v_all = cache.update(torch.randn(batch, kv_heads, 1, dim), torch.randn(batch, kv_heads, 1, dim), 0)
+    q = torch.randn(batch, heads, 1, dim)
+    with active_cache(cache):
+        vegas_attention_forward(module, q, k_all, v_all, None, scaling=dim**-0.5)
+    for b in range(batch):
+        seen = int(prefix[b]) + 3
+        logits = torch.einsum("hd,hsd->hs", q[b, :, 0].double(),
+                              k_all[b, :, :seen].double().repeat_interleave(groups, dim=0)) * dim**-0.5
+        weights = logits.softmax(dim=-1).sum(dim=0)[: int(candidates[b])]
+        count = int(sel.sel_count[b])
+        assert count == config.budget(int(candidates[b])) < int(candidates[b])
+        assert set(sel.sel_idx[0, b, :count].tolist()) == set(weights.topk(count).indices.tolist())
 
 
 @pytest.mark.parametrize("length,expected", [(100, 100), (4000, 280), (10, 10), (3658, 257), (3657, 256)])
