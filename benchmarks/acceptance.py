@@ -30,7 +30,7 @@ from results_io import append_records, read_records, save_figure
 
 VARIANTS = {"vegas-logits": ("vegas", "logits"), "vegas-weights": ("vegas", "weights"),
             "streaming": ("streaming", "weights"), "last_token": ("last_token", "weights"),
-            "oracle": ("oracle", "weights")}
+            "last_token-logits": ("last_token", "logits"), "oracle": ("oracle", "weights")}
 MODELS = {"smollm2": ("SmolLM2-135M-Instruct", real_models.load_smollm2),
           "gemma3": ("Gemma-3-270M", real_models.load_gemma3)}
 
@@ -45,7 +45,8 @@ def main(argv=None) -> None:
     parser.add_argument("--gamma", type=int, default=6)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.07], help="sparsity ratios")
     parser.add_argument("--floors", type=int, nargs="+", default=[256], help="min_tokens values")
-    parser.add_argument("--policies", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--policies", nargs="+", choices=list(VARIANTS),
+                        default=["vegas-logits", "vegas-weights", "streaming", "last_token", "oracle"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/acceptance.jsonl"))
     parser.add_argument("--plot", type=Path, default=None, help="also draw this model's records to a PNG")
@@ -86,7 +87,7 @@ def main(argv=None) -> None:
     bar.close()
     print_table(rows)
     if args.plot:
-        plot(read_records(args.out), name, args.plot)
+        plot(read_records(args.out), name, args.gamma, args.max_new_tokens, args.plot)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -108,23 +109,28 @@ def print_table(rows: list[dict]) -> None:
         print(f"{key[0]:>7} {key[1]:<8} {key[2]:>6.2f} {key[3]:>5} " + " ".join(cells) + f"  {same}")
 
 
-def plot(records: list[dict], model: str, path: Path) -> None:
-    """Tokens per iteration against the budget, one line per policy, one panel per (task, floor, prompt length)."""
+def plot(records: list[dict], model: str, gamma: int, new_tokens: int, path: Path) -> None:
+    """Tokens per iteration against the budget, one line per policy, one panel per (task, floor, prompt length), from
+    the records of `model` at `gamma` and `new_tokens` (the mean over prompts where a setting ran more than once)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mine = [r for r in records if r.get("model") == model and "variant" in r]
+    mine = [r for r in records if r.get("model") == model and "variant" in r and r["config"]["gamma"] == gamma
+            and r["max_new_tokens"] == new_tokens]
     panels = sorted({(r["task"], r["config"]["min_tokens"], r["prompt_tokens"]) for r in mine})
     if not panels:
-        raise SystemExit(f"no records of {model} with a variant in the file")
+        raise SystemExit(f"no records of {model} at gamma {gamma} and {new_tokens} new tokens in the file")
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     for ax, (task, floor, tokens) in zip(axes[0], panels):
         for variant in VARIANTS:
-            points = sorted((r["config"]["sparsity"], r["tokens_per_iteration"]) for r in mine
-                            if (r["task"], r["config"]["min_tokens"], r["prompt_tokens"]) == (task, floor, tokens)
-                            and r["variant"] == variant)
+            runs: dict[float, list[float]] = {}
+            for r in mine:
+                if (r["task"], r["config"]["min_tokens"], r["prompt_tokens"], r["variant"]) == (task, floor, tokens,
+                                                                                               variant):
+                    runs.setdefault(r["config"]["sparsity"], []).append(r["tokens_per_iteration"])
+            points = sorted((budget, sum(v) / len(v)) for budget, v in runs.items())
             if points:
                 ax.plot(*zip(*points), marker="o", label=variant, linestyle="--" if variant == "oracle" else "-")
         ax.set_title(f"{task}, {tokens} tokens, floor {floor}", fontsize=9)
@@ -132,8 +138,8 @@ def plot(records: list[dict], model: str, path: Path) -> None:
         ax.set_ylabel("tokens / iteration")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    save_figure(fig, path, f"{model}: tokens per iteration by draft policy (greedy, gamma 6)", 10,
-                "acceptance records")
+    save_figure(fig, path, f"{model}: tokens per iteration by draft policy (greedy, gamma {gamma}, "
+                f"{new_tokens} new tokens)", 10, "acceptance records")
 
 
 if __name__ == "__main__":

@@ -5,19 +5,23 @@ iteration while their acceptance holds and cost one draft step each, and when a 
 dense step does (a small batch on a small model), drafting does not pay at all. The controller predicts, for every
 arm of `AUTO_GAMMAS` and for the dense path (gamma 0), the tokens per second it would give, and moves to the best:
 
-- acceptance: per row, a running estimate of the per-token acceptance `a` (a row that accepted n of g drafts saw
-  n acceptances in n + [n < g] trials). A row then expects `1 + a + ... + a^g` tokens from an iteration of g drafts;
-  the batch's expectation is the mean over its active rows;
+- acceptance: per row and per draft position, a running estimate of the chance that the draft at that position is
+  accepted once those before it were (a row that accepted n of g drafts was tried at positions 1..min(n + 1, g)
+  and accepted at 1..n). Acceptance usually falls with depth, as the selection ages: a single per-token rate would
+  make short arms over-predict long ones. A position never tried borrows the estimate of the one before it. A row
+  then expects `1 + a1 + a1 a2 + ... + a1...ag` tokens from an iteration of g drafts; the batch's expectation is
+  the mean over its active rows;
 - time: an iteration of g drafts costs `g * draft_step + rest(g)` (verification, acceptance, host), a dense one
-  `dense_step`. The draft step is timed (CUDA events, or the host clock off CUDA) and shared by every arm; `rest`
-  and `dense_step` are timed per arm, and an arm not yet timed borrows the nearest timed one. Until it is timed,
-  the dense step is taken to cost a draft step (a dense step reads what a draft step reads and more): so the dense
-  path is tried, and timed, only when it could win.
+  `dense_step`. The draft step is timed (CUDA events on the model's stream, or the host clock off CUDA) and shared
+  by every arm; `rest` and `dense_step` are timed per arm, and an arm not yet timed borrows the nearest timed one.
+  Until it is timed, the dense step is taken to cost a draft step (a dense step reads what a draft step reads and
+  more): so the dense path is tried, and timed, only when it could win.
 
-Iterations that compiled or captured a graph are not timed. The arm changes only when the prediction beats the
-current arm's by `MARGIN`, at most every `DECIDE_EVERY` iterations. The step times of a pooled bucket (same batch,
-capacity and config, `hf_vegas.graphs`) carry over to its next `generate` call, which starts on the arm the last
-one ended on. Any arm is lossless: drafts never decide the output.
+Not timed: iterations that compiled or captured a graph, and the first iteration of each arm in a generation (its
+kernels may compile then, graphs or not). The arm changes when another one's prediction beats it by `MARGIN` at two
+decisions in a row (`DECIDE_EVERY` iterations apart). The step times of a pooled bucket (same batch, capacity and
+config, `hf_vegas.graphs`) and decoding (greedy or sampling, the same processors) carry over to its next `generate`
+call, which starts on the arm the last one ended on. Any arm is lossless: drafts never decide the output.
 """
 
 from __future__ import annotations
@@ -31,17 +35,24 @@ import torch
 logger = logging.getLogger("hf_vegas")
 
 DECIDE_EVERY = 4  # iterations between decisions
-MARGIN = 0.03  # the predicted gain that moves the arm
-DECAY = 0.7  # weight of the past in the running acceptance and times (per observation)
-PRIOR_ACCEPTANCE, PRIOR_TRIALS = 0.8, 2.0  # a row's acceptance before it has drafted
-START = 6
+MARGIN = 0.03  # the predicted gain that moves the arm (at two decisions in a row)
+DECAY = 0.7  # weight of the past in the running step times (per timed iteration)
+ACCEPTANCE_DECAY = 0.9  # weight of the past in a row's acceptance counts (per verification: ~10 remembered)
+PRIOR_ACCEPTANCE, PRIOR_TRIALS = 0.8, 1.0  # the first position's acceptance before a row has drafted
+START = 6  # the arm a generation without pooled times starts on (the nearest of AUTO_GAMMAS and 0)
 
-_MEMORY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pooled graphs -> the times measured with them
+# pooled graphs -> {decoding key: the times measured with them}
+_MEMORY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def expected_tokens(acceptance: float, gamma: int) -> float:
-    """Tokens one iteration of `gamma` drafts yields at per-token acceptance `acceptance`: accepted drafts + 1."""
-    return sum(acceptance**i for i in range(gamma + 1))
+def expected_tokens(acceptance: list[float], gamma: int) -> float:
+    """Tokens one iteration of `gamma` drafts yields when the draft at position i (1-based) is accepted with chance
+    `acceptance[i - 1]` once those before it were: accepted drafts + 1 (positions beyond the list reuse its last)."""
+    total, reach = 1.0, 1.0
+    for i in range(gamma):
+        reach *= acceptance[min(i, len(acceptance) - 1)]
+        total += reach
+    return total
 
 
 class _Times:
@@ -54,22 +65,29 @@ class _Times:
         self.last_gamma: int | None = None
 
     @staticmethod
-    def _mix(old: float | None, new: float) -> float:
+    def mix(old: float | None, new: float) -> float:
         return new if old is None else DECAY * old + (1 - DECAY) * new
 
 
 class GammaController:
-    """Chooses each iteration's gamma among `gammas` and 0 (see the module doc) for a batch of `batch` rows."""
+    """Chooses each iteration's gamma among `gammas` and 0 (see the module doc) for a batch of `batch` rows.
 
-    def __init__(self, gammas: tuple[int, ...], batch: int, device: torch.device, pool_key=None):
+    `pool_key` (the pooled graphs, or None) and `decoding` (hashable: what the graphs' keys say of the decoding) pick
+    the step times that earlier calls measured."""
+
+    def __init__(self, gammas: tuple[int, ...], batch: int, device: torch.device, pool_key=None, decoding=None):
         self.gammas = tuple(sorted(gammas))
         self.device = device
-        self.times = _MEMORY.setdefault(pool_key, _Times()) if pool_key is not None else _Times()
+        memory = _MEMORY.setdefault(pool_key, {}) if pool_key is not None else {}
+        self.times = memory.setdefault(decoding, _Times())
         start = self.times.last_gamma
-        self.gamma = start if start is not None else min(self.gammas, key=lambda g: abs(g - START))
-        self.successes = [PRIOR_ACCEPTANCE * PRIOR_TRIALS] * batch
-        self.trials = [PRIOR_TRIALS] * batch
+        self.gamma = start if start is not None else min((*self.gammas, 0), key=lambda g: abs(g - START))
+        depth = max(self.gammas)
+        self.successes = [[0.0] * depth for _ in range(batch)]
+        self.trials = [[0.0] * depth for _ in range(batch)]
         self.since_decision = 0
+        self.challenger: int | None = None  # the arm that won the last decision, if not the current one
+        self.visited: set[int] = set()  # arms run in this generation (their first iteration is not timed)
         self.said_dense = False
         self._events = device.type == "cuda"
         self._draft_start = self._draft_end = None
@@ -85,7 +103,7 @@ class GammaController:
     def _mark(self):
         if self._events:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             return event
         return time.perf_counter()
 
@@ -100,25 +118,39 @@ class GammaController:
         iteration compiled or captured a graph."""
         now = time.perf_counter()
         gamma, times = self.gamma, self.times
-        if timed and self._last_sync is not None:
+        if timed and gamma in self.visited and self._last_sync is not None:
             seconds = now - self._last_sync
             if gamma == 0:
-                times.dense = times._mix(times.dense, seconds)
+                times.dense = times.mix(times.dense, seconds)
             else:
                 draft = self._draft_seconds()
-                times.draft_step = times._mix(times.draft_step, draft / gamma)
-                times.rest[gamma] = times._mix(times.rest.get(gamma), max(seconds - draft, 0.0))
+                times.draft_step = times.mix(times.draft_step, draft / gamma)
+                times.rest[gamma] = times.mix(times.rest.get(gamma), max(seconds - draft, 0.0))
+        self.visited.add(gamma)
         self._last_sync = now
         if gamma > 0:
             for row, n in enumerate(accepted):
                 if n is not None:
-                    self.successes[row] = DECAY * self.successes[row] + n
-                    self.trials[row] = DECAY * self.trials[row] + n + (n < gamma)
+                    self._count(row, n, gamma)
         self.since_decision += 1
         if self.since_decision >= DECIDE_EVERY:
             self.since_decision = 0
             self._decide([n is not None for n in accepted])
         times.last_gamma = self.gamma
+
+    def _count(self, row: int, accepted: int, gamma: int) -> None:
+        successes, trials = self.successes[row], self.trials[row]
+        for position in range(min(accepted + 1, gamma)):  # tried there; accepted at the first `accepted`
+            trials[position] = ACCEPTANCE_DECAY * trials[position] + 1
+            successes[position] = ACCEPTANCE_DECAY * successes[position] + (position < accepted)
+
+    def acceptance(self, row: int) -> list[float]:
+        """Row `row`'s estimated acceptance per draft position (each shrunk towards the position before it)."""
+        estimates, prior = [], PRIOR_ACCEPTANCE
+        for successes, trials in zip(self.successes[row], self.trials[row]):
+            prior = (successes + prior * PRIOR_TRIALS) / (trials + PRIOR_TRIALS)
+            estimates.append(prior)
+        return estimates
 
     # -- deciding --------------------------------------------------------------------------------------------------
     def rates(self, rows: list[bool] | None = None) -> dict[int, float] | None:
@@ -128,8 +160,7 @@ class GammaController:
         if times.draft_step is None or not times.rest:
             return None
         chosen = [r for r, use in enumerate(rows) if use] if rows is not None else []
-        chosen = chosen or list(range(len(self.trials)))
-        acceptance = [self.successes[r] / self.trials[r] for r in chosen]
+        acceptance = [self.acceptance(r) for r in (chosen or range(len(self.trials)))]
         rates = {}
         for gamma in self.gammas:
             expected = sum(expected_tokens(a, gamma) for a in acceptance) / len(acceptance)
@@ -147,11 +178,16 @@ class GammaController:
         if rates is None:
             return
         best = max(rates, key=rates.get)
-        if best != self.gamma and rates[best] > (1 + MARGIN) * rates[self.gamma]:
-            self.gamma = best
-            if best == 0 and not self.said_dense:
-                self.said_dense = True
-                drafting = max((g for g in self.gammas), key=rates.get)
-                logger.info("vegas_gamma='auto' decodes densely (gamma 0): drafting is predicted at %.2fx the dense "
-                            "path here (best gamma %d); the output's `gammas` records each iteration's choice.",
-                            rates[drafting] / rates[0], drafting)
+        if best == self.gamma or rates[best] <= (1 + MARGIN) * rates[self.gamma]:
+            self.challenger = None
+            return
+        if self.challenger != best:  # a first win: wait for the next decision to confirm it
+            self.challenger = best
+            return
+        self.gamma, self.challenger = best, None
+        if best == 0 and not self.said_dense:
+            self.said_dense = True
+            drafting = max(self.gammas, key=rates.get)
+            logger.info("vegas_gamma='auto' decodes densely (gamma 0): drafting is predicted at %.2fx the dense "
+                        "path here (best gamma %d); the output's `gammas` records each iteration's choice.",
+                        rates[drafting] / rates[0], drafting)

@@ -52,7 +52,9 @@ class VegasConfig:
         policy (`str`, *optional*, defaults to `"vegas"`):
             `"vegas"` selects from verification scores (Collect-2-Query); `"streaming"` is the StreamingLLM baseline
             (attention sinks + most recent tokens); `"last_token"` is the SpecExtend-style baseline that selects
-            from the scores of the verification row of the last accepted token only.
+            from the scores of the verification row of the last accepted token only; `"oracle"` lets each draft
+            step read the candidates its own query weighs most (it scores the whole prefix at every draft step: an
+            upper bound for acceptance studies, never faster).
         backend (`str`, *optional*, defaults to `"auto"`):
             `"torch"` runs the plain-PyTorch reference ops, `"triton"` the Triton kernels, `"auto"` picks Triton on
             CUDA when it is available and the reference otherwise.
@@ -109,6 +111,9 @@ class VegasConfig:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"`vegas_{name}` must be one of {list(allowed)}, got {value!r}.")
+        if self.policy == "oracle" and self.score != "weights":
+            raise ValueError("`vegas_policy='oracle'` ranks by each draft query's own softmax weights: leave "
+                             f"`vegas_score` at 'weights' (got {self.score!r}).")
         if self.gamma == 0:
             unused = [f"vegas_{name}" for name in SELECTION_FIELDS if getattr(self, name) != _DEFAULTS[name]]
             if unused:

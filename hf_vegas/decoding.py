@@ -132,7 +132,7 @@ def generate(
         loop = _Loop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
                      generation_config, streamer, recorder)
         sequences, accepted = loop.run(inputs_embeds, prefix)
-        gammas = torch.tensor(loop.gammas, dtype=torch.long)
+        gammas = torch.tensor(loop.gammas, dtype=torch.long, device=accepted.device)
     new_tokens = sequences.shape[1] - input_ids.shape[1]
     scores, logits = recorder.tuples(new_tokens, compat.pad_token_tensor(generation_config))
     # A pooled cache (CUDA graphs) belongs to the pool: the next generate call of its bucket overwrites it, and an
@@ -149,7 +149,7 @@ def _finish(sequences, output, generation_config, streamer):
     if generation_config.return_dict_in_generate:
         if output is None:  # nothing to generate
             output = VegasGenerateOutput(sequences=sequences, accepted=sequences.new_zeros(sequences.shape[0], 0),
-                                         gammas=torch.zeros(0, dtype=torch.long),
+                                         gammas=torch.zeros(0, dtype=torch.long, device=sequences.device),
                                          scores=() if generation_config.output_scores else None,
                                          logits=() if generation_config.output_logits else None)
         return output
@@ -166,8 +166,10 @@ class _Loop:
         self.do_sample = bool(gen_config.do_sample)
         self.runner = StepRunner(model, cache, processors, self.do_sample, graphs=step_graphs)
         # `gamma="auto"`: a controller picks each iteration's gamma (`hf_vegas.auto_gamma`); `gammas` records them.
-        self.auto = (GammaController(AUTO_GAMMAS, input_ids.shape[0], input_ids.device, pool_key=step_graphs)
-                     if config.gamma == "auto" else None)
+        # Its times carry over to the next call of the same bucket and decoding (the graphs' keys say which).
+        decoding = (self.do_sample, self.runner.pipeline.capture_key, recorder.want_scores)
+        self.auto = (GammaController(AUTO_GAMMAS, input_ids.shape[0], input_ids.device, pool_key=step_graphs,
+                                     decoding=decoding) if config.gamma == "auto" else None)
         self.gamma = self.auto.gamma if self.auto is not None else config.gamma
         self.gammas: list[int] = []
         self.pipeline = self.runner.pipeline

@@ -46,6 +46,9 @@ def vegas_iteration_bytes(model, batch: int, context: int, config: VegasConfig, 
     """One iteration at `context` committed tokens per row: gamma sparse drafts and one full verification. With a
     `budget_boost`, `rejection` (the share of verifications that rejected a draft) scales the budget as it does on
     average (`VegasConfig.budget_boost`)."""
+    if config.gamma == "auto":
+        raise ValueError("The traffic model takes a config with an integer gamma; a gamma='auto' generation runs "
+                         "several (its output's `gammas`): model the one it ran.")
     windows, per_token = _kv_shape(model)
     budget = config.budget(context) * config.boost(rejection)
     drafted = int(min(budget, context)) + 2 * config.gamma  # selection + tail (accepted since, and the drafts)

@@ -19,17 +19,20 @@ from tiny_models import ragged_batch, tiny_model
 SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=8)
 
 
-def test_expected_tokens_matches_a_simulated_geometric_acceptance():
+def _draw(acceptance: list[float], gamma: int, rng: random.Random) -> int:
+    """Drafts accepted when position i is accepted with chance acceptance[i] (the last entry beyond the list)."""
+    accepted = 0
+    while accepted < gamma and rng.random() < acceptance[min(accepted, len(acceptance) - 1)]:
+        accepted += 1
+    return accepted
+
+
+def test_expected_tokens_matches_a_simulated_acceptance():
     rng = random.Random(0)
-    for acceptance, gamma in [(0.9, 6), (0.5, 2), (0.99, 8), (0.0, 4)]:
+    for acceptance, gamma in [([0.9], 6), ([0.5], 2), ([0.99, 0.9, 0.6], 8), ([0.0], 4), ([0.95, 0.95, 0.3], 6)]:
         draws = 40_000
-        total = 0
-        for _ in range(draws):
-            accepted = 0
-            while accepted < gamma and rng.random() < acceptance:
-                accepted += 1
-            total += accepted + 1
-        assert abs(total / draws - expected_tokens(acceptance, gamma)) < 0.03 * expected_tokens(acceptance, gamma)
+        mean = sum(_draw(acceptance, gamma, rng) + 1 for _ in range(draws)) / draws
+        assert abs(mean - expected_tokens(acceptance, gamma)) < 0.03 * expected_tokens(acceptance, gamma)
 
 
 class _FakeClock:
@@ -40,24 +43,20 @@ class _FakeClock:
         monkeypatch.setattr(auto_gamma.time, "perf_counter", lambda: self.now)
         monkeypatch.setattr(controller, "_draft_seconds", lambda: controller.gamma * self.draft)
 
-    def iterate(self, acceptance: float, rng: random.Random, rows: int) -> int:
+    def iterate(self, acceptance: list[float], rng: random.Random, rows: int, first_cost: float = 0.0) -> int:
         gamma = self.controller.gamma
         self.now += self.dense if gamma == 0 else gamma * self.draft + self.rest[gamma]
-        accepted = []
-        for _ in range(rows):
-            n = 0
-            while n < gamma and rng.random() < acceptance:
-                n += 1
-            accepted.append(n)
-        self.controller.observe(accepted, timed=True)
+        if gamma not in self.controller.visited:
+            self.now += first_cost  # a kernel compiling at the arm's first iteration
+        self.controller.observe([_draw(acceptance, gamma, rng) for _ in range(rows)], timed=True)
         return gamma
 
 
-def _run(monkeypatch, draft, rest, dense, acceptance, iterations=80, rows=16):
+def _run(monkeypatch, draft, rest, dense, acceptance, iterations=100, rows=16, first_cost=0.0):
     controller = GammaController(AUTO_GAMMAS, rows, torch.device("cpu"))
     clock = _FakeClock(controller, monkeypatch, draft, rest, dense)
     rng = random.Random(1)
-    return controller, [clock.iterate(acceptance, rng, rows) for _ in range(iterations)]
+    return controller, [clock.iterate(acceptance, rng, rows, first_cost) for _ in range(iterations)]
 
 
 def _true_rate(gamma, draft, rest, dense, acceptance):
@@ -66,7 +65,7 @@ def _true_rate(gamma, draft, rest, dense, acceptance):
 
 def test_a_cheap_draft_step_settles_on_the_best_drafting_gamma_after_trying_the_dense_path(monkeypatch):
     """The batch-64 shape: a draft step costs a quarter of a dense one, the verification a bit more than it."""
-    draft, rest, dense, acceptance = 1.5, {g: 8.0 + 0.1 * g for g in AUTO_GAMMAS}, 6.0, 0.85
+    draft, rest, dense, acceptance = 1.5, {g: 8.0 + 0.1 * g for g in AUTO_GAMMAS}, 6.0, [0.85]
     controller, gammas = _run(monkeypatch, draft, rest, dense, acceptance)
     best = max(AUTO_GAMMAS, key=lambda g: _true_rate(g, draft, rest, dense, acceptance))
     assert 0 in gammas, "the dense path could win until it is timed: it must be tried"
@@ -80,7 +79,7 @@ def test_a_cheap_draft_step_settles_on_the_best_drafting_gamma_after_trying_the_
 def test_a_draft_step_as_dear_as_a_dense_one_decodes_densely_and_says_so_once(monkeypatch, caplog):
     """The batch-1 shape: weights dominate, a draft step costs what a dense step does."""
     with caplog.at_level(logging.INFO, logger="hf_vegas"):
-        _, gammas = _run(monkeypatch, draft=5.0, rest={g: 5.5 for g in AUTO_GAMMAS}, dense=5.0, acceptance=0.7)
+        _, gammas = _run(monkeypatch, draft=5.0, rest={g: 5.5 for g in AUTO_GAMMAS}, dense=5.0, acceptance=[0.7])
     assert gammas[-40:] == [0] * 40
     said = [r.getMessage() for r in caplog.records if "decodes densely" in r.getMessage()]
     assert len(said) == 1 and "x the dense path" in said[0]
@@ -88,11 +87,31 @@ def test_a_draft_step_as_dear_as_a_dense_one_decodes_densely_and_says_so_once(mo
 
 def test_low_acceptance_prefers_short_drafts_and_high_acceptance_long_ones(monkeypatch):
     rest = {g: 8.0 for g in AUTO_GAMMAS}
-    _, low = _run(monkeypatch, draft=1.0, rest=rest, dense=7.9, acceptance=0.5)
-    _, high = _run(monkeypatch, draft=1.0, rest=rest, dense=7.9, acceptance=0.97)
+    _, low = _run(monkeypatch, draft=1.0, rest=rest, dense=7.9, acceptance=[0.5])
+    _, high = _run(monkeypatch, draft=1.0, rest=rest, dense=7.9, acceptance=[0.97])
     assert low[-1] < high[-1]
-    assert low[-1] == max(AUTO_GAMMAS, key=lambda g: _true_rate(g, 1.0, rest, 7.9, 0.5))
+    assert low[-1] == max(AUTO_GAMMAS, key=lambda g: _true_rate(g, 1.0, rest, 7.9, [0.5]))
     assert high[-1] == max(AUTO_GAMMAS)
+
+
+def test_acceptance_that_falls_with_depth_is_modelled_per_position(monkeypatch):
+    """Drafts past the second are mostly rejected: one per-token rate would favour long drafts, the per-position
+    estimate finds that two pay best."""
+    rest, acceptance = {g: 8.0 for g in AUTO_GAMMAS}, [0.97, 0.95, 0.2]
+    controller, gammas = _run(monkeypatch, draft=1.0, rest=rest, dense=7.9, acceptance=acceptance)
+    assert max(AUTO_GAMMAS, key=lambda g: _true_rate(g, 1.0, rest, 7.9, acceptance)) == 2
+    assert gammas[-30:] == [2] * 30
+    estimate = controller.acceptance(0)
+    assert estimate[0] > 0.85 and estimate[2] < 0.5
+
+
+def test_an_arms_first_iteration_is_not_timed(monkeypatch):
+    """A kernel that compiles at an arm's first iteration (eager steps have no graph preparations to flag it) must
+    not rule the arm out."""
+    draft, rest, dense, acceptance = 1.0, {g: 8.0 for g in AUTO_GAMMAS}, 7.9, [0.97]
+    controller, gammas = _run(monkeypatch, draft, rest, dense, acceptance, first_cost=500.0)
+    assert gammas[-1] == max(AUTO_GAMMAS)
+    assert max(controller.times.rest.values()) < 9.0 and controller.times.draft_step < 1.5
 
 
 def test_untimed_iterations_leave_the_times_alone(monkeypatch):
@@ -102,19 +121,22 @@ def test_untimed_iterations_leave_the_times_alone(monkeypatch):
     clock.now += 1000.0  # a capture or a compilation
     controller.observe([3, 6], timed=False)
     assert controller.times.draft_step is None and not controller.times.rest
-    clock.iterate(0.9, random.Random(0), 2)
+    clock.iterate([0.9], random.Random(0), 2)
     assert controller.times.rest[controller.gamma] == pytest.approx(4.0)
 
 
 def test_a_pooled_bucket_keeps_its_times_and_starts_where_the_last_call_ended(monkeypatch):
     bucket = object.__new__(type("Bucket", (), {}))  # any weak-referenceable object stands for pooled graphs
-    first = GammaController(AUTO_GAMMAS, 4, torch.device("cpu"), pool_key=bucket)
+    first = GammaController(AUTO_GAMMAS, 4, torch.device("cpu"), pool_key=bucket, decoding="greedy")
     clock = _FakeClock(first, monkeypatch, draft=5.0, rest={g: 5.5 for g in AUTO_GAMMAS}, dense=5.0)
-    for _ in range(40):
-        clock.iterate(0.7, random.Random(0), 4)
+    rng = random.Random(0)
+    for _ in range(60):
+        clock.iterate([0.7], rng, 4)
     assert first.gamma == 0
-    second = GammaController(AUTO_GAMMAS, 4, torch.device("cpu"), pool_key=bucket)
+    second = GammaController(AUTO_GAMMAS, 4, torch.device("cpu"), pool_key=bucket, decoding="greedy")
     assert second.gamma == 0 and second.times is first.times
+    sampling = GammaController(AUTO_GAMMAS, 4, torch.device("cpu"), pool_key=bucket, decoding="sample")
+    assert sampling.gamma == 6 and sampling.times is not first.times, "another decoding's steps take other times"
     assert GammaController(AUTO_GAMMAS, 4, torch.device("cpu")).gamma == 6  # a fresh bucket starts in the middle
 
 
@@ -149,15 +171,19 @@ def test_greedy_stays_vanilla_while_gamma_moves(arch, schedule):
     assert bool((out.accepted[:, dense] <= 0).all()) and bool((out.accepted[:, ~dense] >= 1).any())
 
 
-def test_sampling_keeps_vanilla_distribution_while_gamma_moves(schedule, monkeypatch):
-    monkeypatch.setattr(auto_gamma, "START", 2)  # three new tokens take two iterations: a short draft, a dense step
+@pytest.mark.parametrize("start,then", [(2, 0), (0, 2)])
+def test_sampling_keeps_vanilla_distribution_while_gamma_moves(start, then, monkeypatch):
+    """Three new tokens take two iterations: a short draft then a dense step, or a dense step then a draft."""
+    monkeypatch.setattr(auto_gamma, "START", start)
+    monkeypatch.setattr(GammaController, "observe", lambda self, accepted, timed: setattr(self, "gamma", then))
     model = tiny_model("llama", seed=3)
     prompt = torch.randint(1, 128, (1, 48), generator=torch.Generator().manual_seed(3))
     counts, out = vegas_samples(model, prompt, vegas_gamma="auto", vegas_sparsity=0.05, vegas_min_tokens=2)
     p_value = chi_square_p_value(counts, exact_distribution(model, prompt), ROWS)
     print(f"moving gamma: p={p_value:.3g} gammas={out.gammas.tolist()}")
-    assert out.gammas.tolist()[:2] == [2, 0]
-    assert (out.accepted[:, 0] < 2).any(), "some drafts must be rejected to exercise resampling"
+    assert out.gammas.tolist()[:2] == [start, then]
+    drafted = out.accepted[:, 0 if start else 1]
+    assert ((drafted >= 0) & (drafted < 2)).any(), "some drafts must be rejected to exercise resampling"
     assert p_value > 1e-3
 
 

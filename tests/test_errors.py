@@ -43,6 +43,7 @@ BAD = [
     (dict(vegas_gamma=0, vegas_budget_boost=3.0), "vegas_budget_boost"),
     (dict(vegas_score="softmax"), "vegas_score"),
     (dict(vegas_policy="quest"), "vegas_policy"),
+    (dict(vegas_policy="oracle", vegas_score="logits"), "vegas_policy='oracle'"),
     (dict(vegas_backend="cuda"), "vegas_backend"),
     (dict(vegas_config="fast"), "vegas_config"),
     (dict(vegas_config={"gama": 3}), "gama"),

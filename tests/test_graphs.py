@@ -262,6 +262,29 @@ def test_auto_gamma_replays_its_graphs_and_a_later_call_starts_where_the_last_en
     assert steps.disabled_reason is None and steps.replays > 0
 
 
+@needs_gpu
+def test_a_moving_gamma_captures_each_arms_steps_once_and_replays_them(monkeypatch):
+    """gamma='auto' forced through every arm in turn (CPU counterpart: tests/test_auto_gamma.py's schedule): one
+    draft, verify and acceptance graph per drafting arm, one dense step and its acceptance, all replayed."""
+    from hf_vegas.auto_gamma import GammaController
+    from hf_vegas.config import AUTO_GAMMAS
+
+    cycle = [*AUTO_GAMMAS, 0]
+    monkeypatch.setattr(GammaController, "observe",
+                        lambda self, accepted, timed: setattr(self, "gamma", cycle[(cycle.index(self.gamma) + 1)
+                                                                                   % len(cycle)]))
+    model = tiny_model("llama").cuda()
+    ids, mask = (t.cuda() for t in ragged_batch([80, 61, 37]))
+    vanilla = model.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False, pad_token_id=0)
+    out = _generate(model, ids, mask, vegas_gamma="auto", max_new_tokens=60)
+    torch.testing.assert_close(out.sequences, vanilla, rtol=0, atol=0)
+    ran = out.gammas.tolist()
+    assert all(ran.count(g) >= 3 for g in cycle), ran
+    steps = _pooled_graphs(model)
+    assert steps.disabled_reason is None
+    assert steps.captures == 3 * len(AUTO_GAMMAS) + 2 and steps.replays > steps.captures
+
+
 # -- CPU counterparts -------------------------------------------------------------------------------------------
 
 

@@ -71,8 +71,8 @@ def test_more_architectures_greedy_match_vanilla(arch, entry):
     assert full_layers == list(range(model.config.num_hidden_layers)), "every layer is sparse"
 
 
-@pytest.mark.parametrize("policy", ["vegas", "streaming", "last_token", "oracle"])
-@pytest.mark.parametrize("score", ["logits", "weights"])
+@pytest.mark.parametrize("policy,score", [(p, s) for p in ("vegas", "streaming", "last_token") for s in
+                                          ("logits", "weights")] + [("oracle", "weights")])
 def test_every_policy_and_score_is_lossless(policy, score):
     model = tiny_model("llama", seed=1)
     ids, mask = ragged_batch([70, 44], seed=1)
