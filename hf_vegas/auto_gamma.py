@@ -34,7 +34,7 @@ import torch
 
 logger = logging.getLogger("hf_vegas")
 
-DECIDE_EVERY = 4  # iterations between decisions
+DECIDE_EVERY = 2  # iterations between decisions (a move takes two: at least 4 iterations)
 MARGIN = 0.03  # the predicted gain that moves the arm (at two decisions in a row)
 DECAY = 0.7  # weight of the past in the running step times (per timed iteration)
 ACCEPTANCE_DECAY = 0.9  # weight of the past in a row's acceptance counts (per verification: ~10 remembered)
