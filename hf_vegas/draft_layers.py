@@ -172,10 +172,6 @@ def fused_draft_layers(model, cache):
     as fused launches (Triton backend); every other forward runs as before. Yields the number of layers fused."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     patched = []
-    # A fused layer calls the sparse kernel itself: it would skip a policy that chooses in the attention function.
-    if cache.selection.policy.selects_while_drafting:
-        yield 0
-        return
     try:
         for layer in decoder.modules():
             parts = layer_parts(layer)
@@ -203,5 +199,8 @@ def in_draft_steps(model, cache, enabled: bool):
     if not enabled:
         yield
         return
-    with fused_draft_layers(model, cache), fused_projections(model, active=lambda: cache.plan.mode == "draft"):
+    # A fused layer calls the sparse kernel itself: it would skip a policy that chooses in the attention function.
+    layers = (contextlib.nullcontext(0) if cache.selection.policy.selects_while_drafting
+              else fused_draft_layers(model, cache))
+    with layers, fused_projections(model, active=lambda: cache.plan.mode == "draft"):
         yield

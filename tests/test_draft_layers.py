@@ -8,7 +8,7 @@ from transformers import LogitsProcessorList
 from hf_vegas.attention import active_cache, vegas_attention
 from hf_vegas.cache import VegasCache
 from hf_vegas.config import VegasConfig
-from hf_vegas.draft_layers import fused_draft_layers, layer_parts
+from hf_vegas.draft_layers import fused_draft_layers, in_draft_steps, layer_parts
 from hf_vegas.ops import reference
 from hf_vegas.runner import StepRunner
 from kernel_cases import DEVICE, NAN, import_kernels
@@ -164,3 +164,15 @@ def test_generation_with_fused_draft_layers_accepts_what_the_model_s_layers_acce
     assert torch.equal(fused.sequences, plain.sequences)
     assert torch.equal(fused.accepted, plain.accepted)
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_the_oracle_policy_keeps_the_models_layers_in_draft_steps():
+    """A fused layer calls the sparse kernel itself, past the attention function where the oracle chooses each draft
+    step's slots: with that policy the layers keep their forward (the projections may still fuse)."""
+    model = tiny_model("llama")
+    for policy, patched in (("vegas", True), ("oracle", False)):
+        cache = VegasCache(model.config, 1, 40, VegasConfig(policy=policy), device="cpu")
+        with in_draft_steps(model, cache, enabled=True):
+            layers = model.model.layers
+            assert all(("forward" in layer.__dict__) == patched for layer in layers), policy
+        assert not any("forward" in layer.__dict__ for layer in model.model.layers)
