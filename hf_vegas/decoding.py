@@ -170,7 +170,6 @@ class _Loop:
         decoding = (self.do_sample, self.runner.pipeline.capture_key, recorder.want_scores)
         self.auto = (GammaController(AUTO_GAMMAS, input_ids.shape[0], input_ids.device, pool_key=step_graphs,
                                      decoding=decoding) if config.gamma == "auto" else None)
-        self.gamma = self.auto.gamma if self.auto is not None else config.gamma
         self.gammas: list[int] = []
         self.pipeline = self.runner.pipeline
         self.stopper = ChunkStopper(stopping_criteria, compat.eos_token_tensor(gen_config), input_ids.device)
@@ -219,14 +218,13 @@ class _Loop:
         while any(active_host := self._active()):
             active = self._active_on_device()
             self.cache.plan.row_active.copy_(active)
-            if self.auto is not None:
-                self.gamma = self.auto.gamma
-                self.runner.set_gamma(self.gamma)
-            self.gammas.append(self.gamma)
+            if self.auto is None:
+                accepted.append(torch.where(active, self._iterate(active), -1))
+                continue
+            self.runner.set_gamma(self.auto.gamma)
             prepared = self._preparations()
             accepted.append(torch.where(active, self._iterate(active), -1))
-            if self.auto is not None:
-                self.auto.observe(self._observed(active_host), timed=self._preparations() == prepared)
+            self.auto.observe(self._observed(active_host), timed=self._preparations() == prepared)
         stats = torch.stack(accepted, dim=1) if accepted else first.new_zeros(first.shape[0], 0)
         return self._sequences(self.input_ids.shape[1]), stats
 
@@ -259,7 +257,8 @@ class _Loop:
         return running & ~self.finished_t if self.stopper.has_eos else running
 
     def _iterate(self, active: torch.Tensor) -> torch.Tensor:
-        cache, gamma = self.cache, self.gamma
+        cache, gamma = self.cache, self.runner.gamma  # the runner's: `gamma="auto"` moves it
+        self.gammas.append(gamma)
         committed = cache.plan.lengths.clone()
         if gamma == 0:  # dense decoding: one token, picked exactly as vanilla picks it
             drafts = draft_scores = None
