@@ -47,7 +47,7 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
     validation.check_synced_gpus(model, kwargs.get("synced_gpus"))
     validation.check_model(model)
     capacity = input_ids.shape[1] + max_new_tokens + 2 * config.gamma + 1
-    validation.check_layers(model, capacity)
+    validation.check_layers(model, capacity, config)
     backend_name = backend.resolve_backend(config.backend, input_ids.device, model.dtype)
     cache = VegasCache(model.config, 1, capacity, config, device=input_ids.device, backend=backend_name)
 

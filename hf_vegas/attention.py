@@ -73,30 +73,39 @@ def vegas_attention_forward(
     kernels = _kernels_for(cache, query, key)
     ops = _torch_ops(cache)
     plan, sel = cache.plan, cache.selection
+    # Full-attention layers draft sparsely, and so do windows long enough to pay (`cache.sparse_layers`): a windowed
+    # layer's selection and drafts stay inside its window.
+    sparse = module.layer_idx in sel.windows
+    if sparse and sel.windows[module.layer_idx] != sliding_window:
+        raise RuntimeError(
+            f"Layer {module.layer_idx} attends with sliding_window={sliding_window}, but its config gives "
+            f"{sel.windows[module.layer_idx]}: hf_vegas cannot tell which slots its drafts may read."
+        )
+    window_ops = {} if sliding_window is None else dict(window=sliding_window)
     extra_ops = {} if sinks is None else dict(sinks=sinks)
     # The kernels skip finished rows (length 0: they read nothing and output zeros, which nothing uses). The plain
     # PyTorch ops keep every row's length: a row of length 0 would give them an all-masked softmax (NaN).
     kv_len = plan.attend_lengths if kernels else plan.lengths
     # A layer may attend more than once per forward (DiffLlama: two value halves over the same keys and queries).
     # The scores depend on queries and keys only, so the layer selects at its first call.
-    selecting = full_layer and sel.selecting(plan.mode) and module.layer_idx not in sel.selected_layers
+    selecting = sparse and sel.selecting(plan.mode) and module.layer_idx not in sel.selected_layers
     if selecting:
         sel.selected_layers.add(module.layer_idx)
-    if plan.mode == "draft" and full_layer:
+    if plan.mode == "draft" and sparse:
         if sel.policy.selects_while_drafting:
-            _select_for_the_draft_query(cache, module.layer_idx, query, key, scaling, softcap, sinks)
+            _select_for_the_draft_query(cache, module.layer_idx, query, key, scaling, softcap, sinks, sliding_window)
         draft_attention = kernels.sparse_draft_attention if kernels else ops.sparse_draft_attention
         extra = dict(list_len=sel.draft_list_len, split_len=sel.draft_split_len) if kernels else {}
         out = draft_attention(
-            query, key, value, plan.query_slots, kv_len, sel.sel_idx[module.layer_idx], sel.sel_count, sel.sel_end,
-            scaling, softcap, **extra, **extra_ops,
+            query, key, value, plan.query_slots, kv_len, sel.sel_idx[module.layer_idx],
+            sel.sel_count[module.layer_idx], sel.sel_end, scaling, softcap, **extra, **extra_ops, **window_ops,
         )
     elif kernels is not None and selecting and sel.score_rows is not None:
         out, emitted, lse = kernels.verify_attention(
             query, key, value, plan.query_slots, kv_len, scaling, sel.score_rows, cache.vegas_config.score, softcap,
-            **extra_ops,
+            **extra_ops, **window_ops,
         )
-        _select_from_emitted(cache, kernels, module.layer_idx, emitted, lse, query.shape[1])
+        _select_from_emitted(cache, kernels, module.layer_idx, emitted, lse, query.shape[1], sliding_window)
     else:
         plain = softcap is None and sliding_window is None and sinks is None
         if plan.prefill_left_pad is not None and plain:
@@ -105,7 +114,7 @@ def vegas_attention_forward(
             dense = kernels.dense_attention if kernels else ops.dense_attention
             out = dense(query, key, value, plan.query_slots, kv_len, scaling, sliding_window, softcap, **extra_ops)
         if selecting:
-            _select(cache, module.layer_idx, query, key, scaling, softcap, sinks)
+            _select(cache, module.layer_idx, query, key, scaling, softcap, sinks, sliding_window)
     return out, None
 
 
@@ -128,49 +137,53 @@ def _kernels_for(cache: VegasCache, query: torch.Tensor, key: torch.Tensor):
     return backend.kernels() if groups * query.shape[2] <= MAX_KERNEL_QUERY_ROWS else None
 
 
-def _select_from_emitted(cache: VegasCache, kernels, layer_idx: int, emitted, lse, q_heads: int) -> None:
+def _select_from_emitted(cache: VegasCache, kernels, layer_idx: int, emitted, lse, q_heads: int, window=None) -> None:
     """Kernel path of `_select`: turn the verification's emitted logits into the next selection.
 
-    Each layer's scores wait in an `(L, B, S)` scratch; at the last full layer all of them select in one launch.
+    Each layer's scores wait in an `(L, B, S)` scratch; at the last sparse layer all of them select in one launch.
     """
     sel, weights = cache.selection, cache.vegas_config.score == "weights"
+    # A windowed layer's candidates start inside its window, and a score row does not rate what its window left.
+    where = dict(cand_start=sel.cand_start[layer_idx], window=window, q_slot=cache.plan.query_slots)
     if sel.policy.deferred(cache.plan.mode):  # every scored row's scores, until acceptance
         sel.row_scores[layer_idx] = kernels.finalize_scores(emitted, lse, sel.score_rows, sel.sel_end, q_heads,
-                                                            weights, mean_rows=False)
+                                                            weights, mean_rows=False, **where)
         return
     layer_scores = sel.layer_scores(emitted.shape[-1])
     kernels.finalize_scores(emitted, lse, sel.score_rows, sel.sel_end, q_heads, weights, mean_rows=True,
-                            out=layer_scores[layer_idx][:, None])
+                            out=layer_scores[layer_idx][:, None], **where)
     sel.emitted_layers.append(layer_idx)
     _flush_emitted(cache, layer_idx)
 
 
 def _flush_emitted(cache: VegasCache, layer_idx: int) -> None:
-    """At the forward's last full layer, select for every layer whose scores the kernels emitted."""
+    """At the forward's last sparse layer, select for every layer whose scores the kernels emitted."""
     sel = cache.selection
-    if layer_idx != sel.full_layers[-1] or not sel.emitted_layers:
+    if layer_idx != sel.sparse_layers[-1] or not sel.emitted_layers:
         return
-    if sel.emitted_layers == sel.full_layers:  # the usual case, with a prebuilt index (no copy, graph-safe)
-        layers = sel.full_layer_index
+    if sel.emitted_layers == sel.sparse_layers:  # the usual case, with a prebuilt index (no copy, graph-safe)
+        layers = sel.sparse_layer_index
     else:
-        layers = torch.tensor(sel.emitted_layers, device=sel.full_layer_index.device)
+        layers = torch.tensor(sel.emitted_layers, device=sel.sparse_layer_index.device)
     backend.kernels().select_topk(sel.layer_scores(0), sel.sel_count, sel.sel_end, sel.buffer(), layers=layers)
     sel.emitted_layers = []
 
 
-def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap, sinks=None) -> None:
+def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap, sinks=None, window=None) -> None:
     """Choose the next draft's slots for this layer from this prefill/verify forward (no host sync)."""
     plan, sel, config = cache.plan, cache.selection, cache.vegas_config
     if sel.policy.selects_while_drafting:  # candidates and budget are set; each draft step picks its slots
         sel.has_selection = True
         return
+    start = sel.cand_start[layer_idx]
     if sel.score_rows is None:  # a policy that selects by position alone
-        sel.store(layer_idx, sel.policy.select_by_position(sel.sel_count, sel.sel_end, sel.max_selected))
+        sel.store(layer_idx, sel.policy.select_by_position(sel.sel_count[layer_idx], sel.sel_end, sel.max_selected,
+                                                           start))
         return
     rows, q_slot = sel.score_rows, plan.query_slots
     scores = _torch_ops(cache).row_scores(
         query[:, :, rows], key, q_slot[:, rows], plan.lengths, sel.sel_end, scaling, config.score, softcap,
-        sinks=sinks,
+        sinks=sinks, window=window, cand_start=start,
     )
     if sel.policy.deferred(plan.mode):
         sel.row_scores[layer_idx] = scores
@@ -179,11 +192,12 @@ def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap, sin
     _flush_emitted(cache, layer_idx)  # earlier layers of this forward may have taken the kernel path
 
 
-def _select_for_the_draft_query(cache: VegasCache, layer_idx: int, query, key, scaling, softcap, sinks) -> None:
+def _select_for_the_draft_query(cache: VegasCache, layer_idx: int, query, key, scaling, softcap, sinks,
+                                window) -> None:
     """The oracle policy: this draft step's own attention weights over the candidates choose its slots."""
     plan, sel = cache.plan, cache.selection
     scores = _torch_ops(cache).row_scores(query, key, plan.query_slots, plan.lengths, sel.sel_end, scaling, "weights",
-                                          softcap, sinks=sinks)
+                                          softcap, sinks=sinks, window=window, cand_start=sel.cand_start[layer_idx])
     sel.store(layer_idx, reference.select_topk(scores[:, 0], sel.max_selected))
 
 
@@ -193,7 +207,7 @@ def select_from_rows(cache: VegasCache, rows: torch.Tensor) -> None:
     for layer_idx, scores in sel.row_scores.items():
         picked = scores[cache.plan.row_index, rows]  # (B, S)
         if cache.backend == "triton":
-            backend.kernels().select_topk(picked, sel.sel_count, sel.sel_end, sel.buffer()[layer_idx])
+            backend.kernels().select_topk(picked, sel.sel_count[layer_idx], sel.sel_end, sel.buffer()[layer_idx])
         else:
             sel.store(layer_idx, reference.select_topk(picked, sel.max_selected))
     sel.row_scores.clear()

@@ -9,7 +9,7 @@ a scratch sink for the left-padding of a batched prefill.
 
 The cache stores; two objects it holds say what to store and read. `plan` (`hf_vegas.step_plan.StepPlan`): the rows'
 lengths and the current forward's layout, declared with `begin` before each forward and laid out at layer 0's
-`update`. `selection` (`hf_vegas.selection_state.SelectionState`): the slots each full-attention layer's next draft
+`update`. `selection` (`hf_vegas.selection_state.SelectionState`): the slots each sparse layer's next draft
 reads. After acceptance the generate loop rolls rows back with `plan.rollback(new_lengths)`; HF's assisted loop
 uses `crop`.
 """
@@ -125,9 +125,10 @@ class VegasCache(Cache):
                                  for t in types])
         self.capacity = capacity
         self.vegas_config = vegas_config
-        # Full-attention layers: the ones that draft sparsely and select (sliding-window layers keep their window).
-        full_layers = [i for i, t in enumerate(types) if t != "sliding_attention"]
-        self.selection = SelectionState(vegas_config, len(types), full_layers, batch_size, capacity, self.device)
+        # The layers that draft sparsely and select: full attention, and windows long enough to pay (the others
+        # draft with their whole window).
+        windows = sparse_layers(text_config, vegas_config, self.reach)
+        self.selection = SelectionState(vegas_config, len(types), windows, batch_size, capacity, self.device)
 
     # -- step protocol -------------------------------------------------------------------------------------------
     def begin(self, mode: str, left_pad: torch.Tensor | None = None, verify_end: torch.Tensor | None = None) -> None:
@@ -192,6 +193,24 @@ def uses_eager_ops(backend: str, device: torch.device) -> bool:
     """Whether attention runs `ops.eager` (the CPU path: reads lengths on the host, gathers what a draft reads) rather
     than `ops.reference` (shape-static, graph-safe) or the Triton kernels."""
     return backend == "torch" and device.type == "cpu"
+
+
+def sparse_layers(text_config, config: VegasConfig, reach: int | None = None) -> dict[int, int | None]:
+    """The layers whose drafts read a selection, each with the window its drafts stay inside (None: full attention).
+
+    Every full-attention layer (a window at least `reach` long is one, see `layer_types`), and every sliding-window
+    layer whose window is long enough for the budget to pay (`VegasConfig.drafts_window_sparsely`): Mistral v0.1's
+    4096 under a longer context drafts from a budget of its window's slots, while Gemma-3's 512 and gpt-oss' 128
+    draft with their whole window.
+    """
+    window = getattr(text_config, "sliding_window", None)
+    sparse = {}
+    for i, kind in enumerate(layer_types(text_config, reach)):
+        if kind != "sliding_attention":
+            sparse[i] = None
+        elif isinstance(window, int) and config.drafts_window_sparsely(window):
+            sparse[i] = window
+    return sparse
 
 
 def layer_types(text_config, reach: int | None = None) -> list[str]:

@@ -19,6 +19,11 @@ POLICIES = tuple(selection.POLICIES)  # one class per policy in `hf_vegas.select
 BACKENDS = ("torch", "triton", "auto")
 # The draft lengths `gamma="auto"` moves between (each a step shape with graphs of its own), and 0: the dense path.
 AUTO_GAMMAS = (2, 4, 6, 8)
+# A sliding window drafts sparsely when it is longer than SHORT_WINDOW slots and its budget is under 1 / ratio of it.
+# Hybrid models' short windows (Gemma-3's 512 and 1024, gpt-oss' 128) hold the local context beside full layers that
+# hold the long one, and cost a draft little: they always draft with their whole window.
+SHORT_WINDOW = 1024
+SPARSE_WINDOW_RATIO = 4
 
 
 @dataclass(frozen=True)
@@ -35,9 +40,11 @@ class VegasConfig:
             `AUTO_GAMMAS` and 0, from the acceptance so far and the measured step times (`hf_vegas.auto_gamma`);
             any choice is lossless.
         sparsity (`float`, *optional*, defaults to 0.07):
-            Fraction of the prefix that draft attention reads, in `(0, 1]`, per (sequence, full-attention layer).
+            Fraction of the prefix that draft attention reads, in `(0, 1]`, per (sequence, sparse layer). A
+            sliding-window layer's prefix is its window: `len` below is then `min(len, window)`.
         min_tokens (`int`, *optional*, defaults to 256):
-            Lower bound of the per-sequence budget: `budget = clamp(ceil(sparsity * len), min_tokens, len)`.
+            Lower bound of the per-sequence budget: `budget = clamp(ceil(sparsity * len), min_tokens, len)`. With
+            the sparsity, it also decides which sliding-window layers draft sparsely (`drafts_window_sparsely`).
         budget_boost (`float`, *optional*, defaults to 2.0):
             Up to this multiple of the budget for a sequence whose drafts are being rejected: each sequence's budget
             is scaled by `1 + (budget_boost - 1) * r`, where `r` is a running average (half-life one iteration) of
@@ -129,6 +136,13 @@ class VegasConfig:
     def budget(self, length: int) -> int:
         """Number of prefix tokens a draft reads out of `length` candidates (before any boost)."""
         return min(max(math.ceil(self.sparsity * length), self.min_tokens), length)
+
+    def drafts_window_sparsely(self, window: int) -> bool:
+        """Whether a sliding-window layer of `window` positions drafts sparsely inside its window: when the window
+        is longer than `SHORT_WINDOW` (1024) slots and a draft would read under a quarter of it
+        (`4 * budget(window) < window`). Shorter windows (Gemma-3's 512 and 1024, gpt-oss' 128) draft with their
+        whole window."""
+        return window > SHORT_WINDOW and SPARSE_WINDOW_RATIO * self.budget(window) < window
 
     def boost(self, rejection):
         """The factor a sequence's budget is scaled by at a rejection average `rejection` (a float or a tensor)."""

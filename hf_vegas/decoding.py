@@ -118,7 +118,7 @@ def generate(
     # A row ends at most at prompt + max_new + gamma committed slots (it can stop inside its last chunk) and rows
     # that ended keep being drafted and verified, gamma + 1 slots further, until the whole batch ends.
     capacity = int(real_len.max()) + max_new + 2 * config.max_gamma + 1
-    validation.check_layers(model, capacity)
+    validation.check_layers(model, capacity, config)
     if _CHECKS_ONLY.get():
         return input_ids
     pooled = graphs.cache_for(model, input_ids.shape[0], capacity, config, input_ids.device, backend_name)

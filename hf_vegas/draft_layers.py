@@ -157,8 +157,8 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
     sel = cache.selection
     attn = kernels.sparse_draft_attention(
         q.transpose(1, 2), store.keys, store.values, cache.plan.query_slots, cache.plan.attend_lengths,
-        sel.sel_idx[parts.layer_idx], sel.sel_count, sel.sel_end, parts.scaling, list_len=sel.draft_list_len,
-        split_len=sel.draft_split_len,
+        sel.sel_idx[parts.layer_idx], sel.sel_count[parts.layer_idx], sel.sel_end, parts.scaling,
+        list_len=sel.draft_list_len, split_len=sel.draft_split_len,
     )
     # The layer's input belongs to the caller: the first residual sum is a new tensor, the second adds in place.
     x = torch.addmm(x, attn.reshape(batch * tokens, -1), parts.o_weight.t())

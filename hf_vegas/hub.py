@@ -263,7 +263,8 @@ Qwen3, Gemma-3, Phi-3, DeepSeek-V2/V3 and others).
 - Decoder-only models; batches of any size, left-padded (`tokenizer(..., padding_side="left")`).
 - Greedy decoding and sampling with every standard logits processor, stopping criteria and stop strings, streamers
   (batch 1), `output_scores` / `output_logits`, `inputs_embeds`, and a prefilled `DynamicCache` prompt cache.
-- Sliding-window layers keep their window; learned attention sinks (gpt-oss) are supported. Layers with recurrent
+- Sliding-window layers draft sparsely inside their window when it is long enough to pay (a draft reading under a
+  quarter of it), else with their whole window; learned attention sinks (gpt-oss) are supported. Layers with recurrent
   or linear attention, image inputs, beam search and the other decoding modes are refused before any forward pass,
   with the argument named.
 

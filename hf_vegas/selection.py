@@ -1,9 +1,9 @@
 """Draft-selection policies: which prefix slots the next draft reads. One class per policy.
 
-After a prefill or a verification, every full-attention layer keeps `sel_count[b]` of the candidate slots
-`[0, sel_end[b])` of row `b` (the budget is the same for every policy, `VegasConfig.budget`); the next draft attends
-to those plus every slot from `sel_end[b]` on. A policy says how that choice is made, by answering what the cache and
-the attention function ask:
+After a prefill or a verification, every sparse layer keeps `sel_count[layer, b]` of the candidate slots
+`[cand_start[layer, b], sel_end[b])` of row `b` (the whole prefix, or a sliding window's last slots; the budget is the
+same for every policy, `VegasConfig.budget`); the next draft attends to those plus every slot from `sel_end[b]` on.
+A policy says how that choice is made, by answering what the cache and the attention function ask:
 
 - `score_rows(mode, num_tokens, pending_row)`: the query rows of a prefill/verify forward whose attention scores it
   ranks the candidates by (head-averaged logits or softmax weights, `VegasConfig.score`, then the mean over the
@@ -67,13 +67,14 @@ class Streaming:
     def deferred(self, mode: str) -> bool:
         return False
 
-    def select_by_position(self, sel_count: torch.Tensor, sel_end: torch.Tensor, k_max: int) -> torch.Tensor:
-        return reference.streaming_select(sel_count, sel_end, k_max, self.sink_tokens)
+    def select_by_position(self, sel_count: torch.Tensor, sel_end: torch.Tensor, k_max: int,
+                           cand_start: torch.Tensor | None = None) -> torch.Tensor:
+        return reference.streaming_select(sel_count, sel_end, k_max, self.sink_tokens, cand_start)
 
 
 class Oracle:
     """The upper bound every policy is judged against (an acceptance study, not a speed-up): at each draft step,
-    every full-attention layer reads the budget's worth of candidates its own draft query attends to most (softmax
+    every sparse layer reads the budget's worth of candidates its own draft query attends to most (softmax
     weights averaged over query heads, computed exactly over the whole prefix, so the draft reads all of it to
     choose). No policy that chooses before the draft knows those queries."""
 

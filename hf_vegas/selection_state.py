@@ -1,8 +1,11 @@
-"""`SelectionState`: which prefix slots the next draft reads, per (full-attention layer, row), and its budget.
+"""`SelectionState`: which prefix slots the next draft reads, per (sparse layer, row), and its budget.
 
-A prefill or verification forward chooses them (`prepare` at its layer 0, then the attention function of each full
-layer, by the policy of `hf_vegas.selection`): row `b` keeps `sel_idx[layer, b, :sel_count[b]]` of the candidate
-slots `[0, sel_end[b])`, and the next draft attends to those plus every slot from `sel_end[b]` on.
+A prefill or verification forward chooses them (`prepare` at its layer 0, then the attention function of each sparse
+layer, by the policy of `hf_vegas.selection`): row `b` keeps `sel_idx[layer, b, :sel_count[layer, b]]` of the
+candidate slots `[cand_start[layer, b], sel_end[b])`, and the next draft attends to those plus every slot from
+`sel_end[b]` on. The candidates are the whole prefix for a full-attention layer, and for a sliding-window layer that
+drafts sparsely (`hf_vegas.cache.sparse_layers`) the `window - 1` slots before `sel_end`: what the window of the
+next draft's first query (at slot `sel_end`) holds of the prefix. Its drafts also keep to their window.
 
 Static state. The buffers are sized once for the largest budget any row can get (`VegasConfig.max_budget`) and only
 written in place, as CUDA graphs require (see `hf_vegas.step_plan`).
@@ -18,11 +21,11 @@ from .step_plan import StepPlan
 
 
 class SelectionState:
-    """The selection of a batch of `batch_size` rows of `capacity` slots, for the layers `full_layers` of
-    `num_layers` (sliding-window layers keep their window and select nothing)."""
+    """The selection of a batch of `batch_size` rows of `capacity` slots, for the sparse layers of `num_layers`:
+    `windows` maps each to the window its drafts stay inside (None: full attention). Other layers select nothing."""
 
-    def __init__(self, config: VegasConfig, num_layers: int, full_layers: list[int], batch_size: int, capacity: int,
-                 device: torch.device):
+    def __init__(self, config: VegasConfig, num_layers: int, windows: dict[int, int | None], batch_size: int,
+                 capacity: int, device: torch.device):
         self.config = config
         self.policy = selection.policy(config.policy)
         self.device = device
@@ -37,7 +40,12 @@ class SelectionState:
         # lists run in more programs rather than longer ones (the kernel lasts as long as its longest program).
         self.draft_split_len = config.budget(capacity) + tail if config.budget_boost > 1 else None
         self.sel_idx = torch.zeros(num_layers, batch_size, self.max_selected, **long)
-        self.sel_count = torch.zeros(batch_size, **long)
+        # Per layer: how far back from `sel_end` its candidates reach (a window's `window - 1` slots, or the whole
+        # buffer), and its rows' budgets and first candidates (a window's budget counts its candidates only).
+        self.windows = dict(windows)
+        self.span = torch.tensor([(windows.get(i) or capacity + 2) - 1 for i in range(num_layers)], **long)
+        self.sel_count = torch.zeros(num_layers, batch_size, **long)
+        self.cand_start = torch.zeros(num_layers, batch_size, **long)
         self.sel_end = torch.zeros(batch_size, **long)
         self.has_selection = False
         # The draft length of the current iteration (fixed, or moved by `gamma="auto"` through `StepRunner.set_gamma`).
@@ -50,9 +58,9 @@ class SelectionState:
         # A deferring policy (`last_token`): head-averaged scores of every scored verify row, until acceptance.
         self.row_scores: dict[int, torch.Tensor] = {}
         self._layer_scores: torch.Tensor | None = None
-        self.full_layers = full_layers
-        self.full_layer_index = torch.tensor(full_layers, **long)
-        # Kernel path: full layers whose scores this forward emitted, selected together at the last full layer.
+        self.sparse_layers = sorted(windows)
+        self.sparse_layer_index = torch.tensor(self.sparse_layers, **long)
+        # Kernel path: sparse layers whose scores this forward emitted, selected together at the last sparse layer.
         self.emitted_layers: list[int] = []
         # Layers that already chose their selection in this forward (a layer may attend twice: DiffLlama).
         self.selected_layers: set[int] = set()
@@ -75,7 +83,9 @@ class SelectionState:
             self.sel_end.copy_(plan.lengths)
         else:
             self.sel_end.copy_(plan.write_start + pending_row + 1)
-        self.sel_count.copy_(budget_tensor(self.sel_end, self.config, self.rejection))
+        candidates = torch.minimum(self.sel_end[None, :], self.span[:, None])  # (L, B): a window's slots at most
+        self.sel_count.copy_(budget_tensor(candidates, self.config, self.rejection))
+        self.cand_start.copy_(self.sel_end[None, :] - candidates)
         key = (plan.mode, num_tokens)
         if key not in self._score_rows_by_shape:  # a host list made a device tensor once per shape
             rows = self.policy.score_rows(plan.mode, num_tokens, pending_row)
@@ -92,7 +102,7 @@ class SelectionState:
         return self.sel_idx
 
     def layer_scores(self, num_slots: int) -> torch.Tensor:
-        """`(L, B, num_slots)` fp32 scratch where a verification leaves each full layer's scores (kernel path)."""
+        """`(L, B, num_slots)` fp32 scratch where a verification leaves each sparse layer's scores (kernel path)."""
         if self._layer_scores is None:
             layers, batch, _ = self.sel_idx.shape
             self._layer_scores = torch.empty(layers, batch, num_slots, dtype=torch.float32, device=self.device)

@@ -4,7 +4,7 @@ A decode step of a long-context batch is memory-bound: it reads every weight onc
 attention needs. Its traffic bound is those bytes over the bandwidth a pure read reaches on the same GPU:
 
     dense step (HF, our gamma = 0 path)  weights + every row's visible KV
-    Vegas iteration                      gamma drafts x (weights + selected KV + tail; sliding layers their window)
+    Vegas iteration                      gamma drafts x (weights + selected KV + tail; dense windows whole)
                                          + one verification (weights + every row's full KV)
 
 Tokens per second at the bound: dense B / t_step; Vegas B x tokens-per-iteration / t_iteration (the measured
@@ -13,7 +13,7 @@ tokens per iteration, so the bound is that of the speculation actually achieved)
 
 from __future__ import annotations
 
-from .cache import layer_types
+from .cache import layer_types, sparse_layers
 from .config import VegasConfig
 
 
@@ -50,9 +50,18 @@ def vegas_iteration_bytes(model, batch: int, context: int, config: VegasConfig, 
         raise ValueError("The traffic model takes a config with an integer gamma; a gamma='auto' generation runs "
                          "several (its output's `gammas`): model the one it ran.")
     windows, per_token = _kv_shape(model)
-    budget = config.budget(context) * config.boost(rejection)
-    drafted = int(min(budget, context)) + 2 * config.gamma  # selection + tail (accepted since, and the drafts)
-    draft_visible = sum(min(drafted, context) if w is None else min(w, context) for w in windows)
+    sparse = sparse_layers(model.config.get_text_config(decoder=True), config, context)
+
+    def draft_reads(layer: int, window: int | None) -> int:
+        visible = context if window is None else min(window, context)
+        if layer not in sparse:
+            return visible
+        candidates = context if window is None else min(window - 1, context)
+        budget = config.budget(candidates) * config.boost(rejection)
+        # selection + tail (accepted since, and the drafts)
+        return min(int(min(budget, candidates)) + 2 * config.gamma, visible)
+
+    draft_visible = sum(draft_reads(layer, window) for layer, window in enumerate(windows))
     draft = weight_bytes(model) + batch * draft_visible * per_token
     return config.gamma * draft + dense_step_bytes(model, batch, context + config.gamma + 1)
 

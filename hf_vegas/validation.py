@@ -8,7 +8,8 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
 from ._compat import internals as compat
-from .cache import layer_types
+from .cache import layer_types, sparse_layers
+from .config import SHORT_WINDOW
 
 # What transformers' own preparation leaves in `model_kwargs` for a decoder-only model; anything else came from the
 # user and would be silently dropped, so it is refused.
@@ -82,18 +83,23 @@ def check_synced_gpus(model, requested: bool | None) -> None:
     )
 
 
-def check_layers(model, reach: int) -> None:
-    """At least one layer must be full attention for a generation reaching `reach` positions, or drafts would be the
-    model itself (a sliding window at least that long counts as full attention)."""
+def check_layers(model, reach: int, config) -> None:
+    """At least one layer must draft sparsely for a generation reaching `reach` positions under `config`, or drafts
+    would be the model itself: a full-attention layer (a sliding window at least `reach` long is one), or a window
+    long enough for the budget to pay (`VegasConfig.drafts_window_sparsely`). `gamma=0` drafts nothing."""
     text_config = model.config.get_text_config(decoder=True)
-    if "full_attention" not in layer_types(text_config, reach):
-        window = getattr(text_config, "sliding_window", None)
-        raise ValueError(
-            f"hf_vegas drafts sparsely in full-attention layers, and every layer of this model attends through a "
-            f"sliding window of {window} positions, shorter than this generation's {reach} (longest prompt without "
-            "padding + max_new_tokens + 2 * gamma + 1): drafts would be the model itself. Windows at least that long "
-            "run as full attention; sparse drafting inside shorter windows is not supported yet."
-        )
+    if config.gamma == 0 or sparse_layers(text_config, config, reach):
+        return
+    window = getattr(text_config, "sliding_window", None)
+    budget = config.budget(window) if isinstance(window, int) else "?"
+    raise ValueError(
+        f"Every layer of this model attends through a sliding window of {window} positions, shorter than this "
+        f"generation's {reach} (longest prompt without padding + max_new_tokens + 2 * gamma + 1), and too short for "
+        f"a sparse draft to pay: a draft reads a window sparsely only when it is longer than {SHORT_WINDOW} slots and "
+        f"its budget (vegas_min_tokens={config.min_tokens}, vegas_sparsity={config.sparsity}: {budget} slots) is "
+        "under a quarter of it, so drafts would be the model itself. Use vanilla generate (or a lower "
+        "`vegas_min_tokens`, for a window longer than that)."
+    )
 
 
 def check_generation_config(generation_config, logits_processor=None) -> None:

@@ -120,7 +120,7 @@ def check(model_type: str) -> tuple[str, str]:
     if not torch.equal(out.sequences, expected):
         return "different", "greedy tokens differ from vanilla"
     cache = getattr(out, CACHE_KEYWORD)
-    sparse = f"{len(cache.selection.full_layers)} of {len(cache.layers)} layers drafted sparsely"
+    sparse = f"{len(cache.selection.sparse_layers)} of {len(cache.layers)} layers drafted sparsely"
     return "identical", sparse
 
 

@@ -22,6 +22,13 @@ def _deterministic():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def short_windows_draft(monkeypatch):
+    """Tiny models' windows (tens of slots) draft sparsely, as windows longer than `hf_vegas.config.SHORT_WINDOW`
+    (1024) do when the budget pays; keeps the tests' prompts short."""
+    monkeypatch.setattr(hf_vegas.config, "SHORT_WINDOW", 0)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """Real SmolLM2-135M-Instruct in fp32 on the CPU, with its tokenizer."""

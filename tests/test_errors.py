@@ -272,9 +272,10 @@ def test_config_repr_and_dict():
     assert VegasConfig(**config.to_dict()) == config
 
 
-def test_a_window_shorter_than_the_generation_on_every_layer_is_refused():
-    """Mistral-v0.1/StarCoder2-style configs window every layer; a window shorter than the positions a generation
-    reaches leaves nothing full to draft sparsely (longer windows run: tests/test_greedy_equivalence.py)."""
+def test_windows_too_short_to_draft_sparsely_on_every_layer_are_refused():
+    """Mistral-v0.1/StarCoder2-style configs window every layer. A window shorter than the positions a generation
+    reaches drafts sparsely only where its budget is under a quarter of it (tests/test_sliding_windows.py); at the
+    default floor of 256 tokens a 24-slot window is not, so drafts would be the model itself."""
     from transformers import MistralConfig, MistralForCausalLM
 
     model = MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
@@ -284,6 +285,8 @@ def test_a_window_shorter_than_the_generation_on_every_layer_is_refused():
     model.register_forward_pre_hook(lambda module, args: forwards.append(1))
     with pytest.raises(ValueError, match="sliding window of 24 positions, shorter than this generation's 37"):
         model.generate(IDS[:1], max_new_tokens=4, custom_generate="vegas")  # 20 + 4 + 2 * 6 + 1
+    with pytest.raises(ValueError, match="vegas_min_tokens=256, vegas_sparsity=0.07: 24 slots"):
+        model.generate(IDS[:1], max_new_tokens=4, custom_generate="vegas")
     assert forwards == []
 
 

@@ -119,6 +119,23 @@ def test_a_split_length_gives_long_lists_more_programs(monkeypatch, interpreter_
     _assert_close(got, reference.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
 
 
+@pytest.mark.parametrize("window", [40, 9])
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS[:2])
+def test_sparse_draft_attention_inside_a_window(head_dim, q_heads, kv_heads, tokens, window):
+    """A sliding-window layer that drafts sparsely: selected slots the query's window has left (the selection was
+    made a few positions back, or is arbitrary here) are masked, not attended."""
+    case = make_case(LENGTHS, [tokens, tokens + 2, tokens], tokens, head_dim, q_heads, kv_heads, seed=window + tokens)
+    readable = sparse_readable(case)  # the kernel reads the whole list; the window masks some of it
+    args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
+    got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args,
+                                         window=window)
+    expected = reference.sparse_draft_attention(case.q, case.k, case.v, *args, window=window)
+    _assert_close(got, expected, torch.float32)
+    assert not torch.allclose(expected, reference.sparse_draft_attention(case.q, case.k, case.v, *args)), \
+        "the window must cut some selected slot for this test to mean much"
+
+
 @pytest.mark.parametrize("window,softcap", [(None, None), (None, 7.0), (24, None), (5, 3.0)])
 @pytest.mark.parametrize("tokens", [1, 7])
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS[:2])
@@ -159,6 +176,35 @@ def test_verify_attention_emits_collect_2_query_scores(head_dim, q_heads, kv_hea
         want = expected.mean(dim=1, keepdim=True) if mean_rows else expected
         assert torch.equal(torch.isfinite(got), candidate[:, :1] if mean_rows else candidate)
         _assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)], torch.float32)
+
+
+@pytest.mark.parametrize("score", ["logits", "weights"])
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS[:2])
+def test_verify_attention_inside_a_window_emits_the_window_candidates(head_dim, q_heads, kv_heads, score):
+    """A windowed sparse layer's verification reads (and emits) from its forward's first visible slot; its
+    candidates, the `window - 1` slots before `sel_end`, all lie there, and only they get finite scores."""
+    tokens, window = 7, 30
+    case = make_case(LENGTHS, [tokens - 1] * 3, tokens, head_dim, q_heads, kv_heads, seed=q_heads + 1)
+    rows = torch.tensor([0, tokens - 1], device=DEVICE)
+    readable = dense_readable(case, window)
+    out, emitted, lse = kernels.verify_attention(
+        case.q, poisoned(case.k, readable), poisoned(case.v, readable), case.q_slot, case.kv_len, case.scaling,
+        rows, score, window=window,
+    )
+    _assert_close(out, reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
+                                                 window), torch.float32)
+    cand_start = (case.sel_end - window + 1).clamp_min(0)
+    expected = reference.row_scores(case.q[:, :, rows], case.k, case.q_slot[:, rows], case.kv_len, case.sel_end,
+                                    case.scaling, score, window=window, cand_start=cand_start)
+    for mean_rows in (True, False):
+        got = kernels.finalize_scores(emitted, lse, rows, case.sel_end, q_heads, score == "weights", mean_rows,
+                                      cand_start=cand_start, window=window, q_slot=case.q_slot)
+        want = expected.mean(dim=1, keepdim=True) if mean_rows else expected
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+        _assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)], torch.float32)
+    assert int(torch.isfinite(expected[0, 0]).sum()) == window - 1, "a long row has exactly window - 1 candidates"
+    assert bool((expected[:, -1][torch.isfinite(expected[:, -1])] == 0).any()), "the last row's window left some"
+
 
 
 def test_dense_decode_equals_verify_without_scores():

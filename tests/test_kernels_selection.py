@@ -98,3 +98,24 @@ def test_select_all_layers_in_one_launch():
     assert (out[1:3] == UNTOUCHED).all(), "layers not listed are not written"
     for layer in (0, 3):
         _check_topk(scores[layer], count, cand_end, out[layer])
+
+
+def test_select_with_a_budget_per_layer_and_a_window():
+    """A sliding-window layer's budget counts its window's candidates only, and the slots before the window score
+    -inf: with `(L, B)` counts each layer takes its own budget, and never a slot outside its window."""
+    gen = torch.Generator().manual_seed(6)
+    scores = torch.randn(3, 2, 300, generator=gen).to(DEVICE)
+    cand_end = torch.tensor([300, 250], device=DEVICE)
+    cand_start = torch.tensor([[0, 0], [0, 0], [201, 151]], device=DEVICE)  # layer 2: a window of 100 slots
+    slots = torch.arange(300, device=DEVICE)
+    scores[2][slots[None, :] < cand_start[2][:, None]] = float("-inf")
+    count = torch.tensor([[30, 7], [0, 0], [12, 99]], device=DEVICE)  # layer 2's second row takes all but one
+    out = torch.full((3, 2, 34 + 70), UNTOUCHED, dtype=torch.long, device=DEVICE)
+    kernels.select_topk(scores, count, cand_end, out, layers=torch.tensor([0, 2], device=DEVICE))
+    assert (out[1] == UNTOUCHED).all(), "layers not listed are not written"
+    for layer in (0, 2):
+        _check_topk(scores[layer], count[layer], cand_end, out[layer])
+    for b in range(2):
+        assert (out[2, b, : count[2, b]] >= cand_start[2, b]).all(), "a window's selection stays in the window"
+    with pytest.raises(ValueError, match="count must be"):
+        kernels.select_topk(scores, count[:, :1], cand_end, out)

@@ -20,7 +20,7 @@ def test_code_continuation_greedy_identical_to_vanilla(gemma3, policy):
     assert torch.equal(out.sequences, expected)
     sel = getattr(out, CACHE_KEYWORD).selection
     full = [i for i, kind in enumerate(model.config.layer_types) if kind == "full_attention"]
-    assert sel.full_layers == full and len(full) < model.config.num_hidden_layers, "sliding layers keep their window"
+    assert sel.sparse_layers == full and len(full) < model.config.num_hidden_layers, "sliding layers keep their window"
     assert bool((sel.sel_count < sel.sel_end).all()), "the full layers' drafts are sparse"
     assert out.tokens_per_iteration > 2.0
 

@@ -65,3 +65,25 @@ def test_sampling_with_a_repetition_penalty_matches_vanilla_distribution(setup):
     print(f"repetition penalty: p={p_value:.3g} tokens/iteration={out.tokens_per_iteration:.2f}")
     assert len(set(out.accepted[:, 0].tolist())) > 1, "rows must accept different numbers of drafts"
     assert p_value > 1e-3
+
+
+@pytest.mark.usefixtures("short_windows_draft")
+def test_sampling_with_windowed_sparse_layers_matches_vanilla_distribution():
+    """Mistral v0.1 past its window: every layer drafts sparsely inside a 24-slot window of a 48-token prompt."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tiny_models import COMMON
+
+    torch.manual_seed(4)
+    model = MistralForCausalLM(MistralConfig(**COMMON, num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, sliding_window=24)).eval()
+    prompt = torch.randint(1, 128, (1, 48), generator=torch.Generator().manual_seed(4))
+    expected = exact_distribution(model, prompt)
+    counts, out = vegas_samples(model, prompt, **DRAFT)
+    p_value = chi_square_p_value(counts, expected, ROWS)
+    print(f"windowed p={p_value:.3g} tokens/iteration={out.tokens_per_iteration:.2f}")
+    from hf_vegas._compat.internals import CACHE_KEYWORD
+
+    assert getattr(out, CACHE_KEYWORD).selection.windows == {0: 24, 1: 24}, "both layers draft inside the window"
+    assert (out.accepted < DRAFT["vegas_gamma"]).any(), "some drafts must be rejected to exercise resampling"
+    assert p_value > 1e-3

@@ -64,7 +64,7 @@ def test_verify_selection_is_eq3(score, groups):
         candidates = int(prefix[b]) + 1  # the prefix plus the first query position
         budget = config.budget(candidates)
         sel = cache.selection
-        assert int(sel.sel_end[b]) == candidates and int(sel.sel_count[b]) == budget < candidates
+        assert int(sel.sel_end[b]) == candidates and int(sel.sel_count[0, b]) == budget < candidates
         ours = set(sel.sel_idx[0, b, :budget].tolist())
         expected = brute_force_eq3(q[b, :, 0], q[b, :, -1], k_all[b, :, : candidates + gamma].transpose(0, 1),
                                    candidates, budget,
@@ -109,7 +109,7 @@ def test_oracle_draft_reads_the_draft_querys_own_top_weights(groups, eager_ops, 
         logits = torch.einsum("hd,hsd->hs", q[b, :, 0].double(),
                               k_all[b, :, :seen].double().repeat_interleave(groups, dim=0)) * dim**-0.5
         weights = logits.softmax(dim=-1).sum(dim=0)[: int(candidates[b])]
-        count = int(sel.sel_count[b])
+        count = int(sel.sel_count[0, b])
         assert count == config.budget(int(candidates[b])) < int(candidates[b])
         assert set(sel.sel_idx[0, b, :count].tolist()) == set(weights.topk(count).indices.tolist())
 

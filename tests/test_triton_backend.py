@@ -98,6 +98,22 @@ def test_triton_policies_match_reference_backend(policy, score):
     assert torch.equal(triton_out.accepted, torch_out.accepted)
 
 
+@pytest.mark.usefixtures("short_windows_draft")
+@pytest.mark.parametrize("score", ["logits", "weights"])
+def test_triton_windowed_sparse_layers_match_reference_backend(score):
+    """Sliding-window layers drafting sparsely inside their window (tests/test_sliding_windows.py): the kernels select
+    inside the window and mask what a draft's window left as the reference ops do, and greedy stays vanilla's."""
+    model, ids, mask = _on_device(tiny_model("mistral_short_window"), *ragged_batch([80, 47], seed=2))
+    common = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    vegas = dict(custom_generate="vegas", vegas_gamma=3, vegas_score=score, return_dict_in_generate=True, **SPARSE)
+    torch_out = model.generate(ids, **common, **vegas, vegas_backend="torch")
+    triton_out = model.generate(ids, **common, **vegas, vegas_backend="triton")
+    assert torch.equal(triton_out.sequences, model.generate(ids, **common))
+    assert torch.equal(triton_out.accepted, torch_out.accepted)
+    sel = generation_cache(model, triton_out).selection
+    assert sel.windows == {0: 40, 1: 40} and bool((sel.cand_start > 0).all())
+
+
 def test_triton_boosted_budget_matches_reference_backend(monkeypatch):
     """`budget_boost`: the boosted rows' longer lists run in more splits of the draft kernel (`split_len`; 16-slot
     blocks here, so these short lists need them); selections, acceptance and tokens stay the reference backend's."""

@@ -105,9 +105,19 @@ MORE_BUILDERS = {
 }
 
 
+# Mistral v0.1 past its window: every layer windowed (40 positions), shorter than the test prompts. Such a short window
+# drafts sparsely only where a test lowers `hf_vegas.config.SHORT_WINDOW` (the `short_windows_draft` fixture);
+# tests/test_sliding_windows.py also runs a window above the real threshold.
+WINDOWED_BUILDERS = {
+    "mistral_short_window": lambda: MistralForCausalLM(
+        MistralConfig(**COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=40)
+    ),
+}
+
+
 def tiny_model(arch: str, seed: int = 0):
     torch.manual_seed(seed)
-    return {**BUILDERS, **MORE_BUILDERS}[arch]().eval()
+    return {**BUILDERS, **MORE_BUILDERS, **WINDOWED_BUILDERS}[arch]().eval()
 
 
 def ragged_batch(lengths: list[int], seed: int = 0, pad_id: int = 0):

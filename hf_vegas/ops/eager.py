@@ -89,16 +89,16 @@ def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling: float, window=
 
 
 def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None,
-                           sinks=None):
+                           sinks=None, window=None):
     """`reference.sparse_draft_attention`, reading only the selected slots and the tail, gathered per row."""
     if q.shape[0] == 1 and q.shape[2] == 1:
-        slots = _one_query_list(q_slot, kv_len, sel_idx, sel_count, sel_end)
+        slots = _one_query_list(q_slot, kv_len, sel_idx, sel_count, sel_end, window)
         if slots is not None:
             n = int(kv_len[0])
             k, v = _gather_slots(k_cache, slots, n), _gather_slots(v_cache, slots, n)
             return _attend(q, k, v, None, scaling, softcap, sinks)
     n = int(kv_len.max())
-    visible = reference.draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, n)  # (B, T, n)
+    visible = reference.draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, n, window)  # (B, T, n)
     batch, tokens, _ = visible.shape
     seen = visible.any(dim=1)  # (B, n): the slots some query of the row attends to
     counts = seen.sum(dim=1)
@@ -118,16 +118,20 @@ def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_cou
     return _attend(q, k, v, _all_or_mask(listed), scaling, softcap, sinks)
 
 
-def _one_query_list(q_slot, kv_len, sel_idx, sel_count, sel_end) -> torch.Tensor | None:
+def _one_query_list(q_slot, kv_len, sel_idx, sel_count, sel_end, window=None) -> torch.Tensor | None:
     """The usual CPU draft (one row, one query at the row's last slot) without a mask: its selection, then its tail.
 
     Every policy selects distinct candidates (top-k, or StreamingLLM's sinks and recent slots), so with the selected
-    slots below `sel_end <= kv_len` the list is the reference's visible set. None when the query is elsewhere,
-    `sel_end > kv_len` or a selected slot is not a candidate: the general path decides.
+    slots below `sel_end <= kv_len` (and inside the query's `window`, if any) the list is the reference's visible set.
+    None when the query is elsewhere, `sel_end > kv_len` or a selected slot is not a candidate or outside the window:
+    the general path decides.
     """
     length, count, end = int(kv_len[0]), int(sel_count[0]), int(sel_end[0])
     chosen = sel_idx[0, :count]
-    outside = bool(count) and not 0 <= int(chosen.min()) <= int(chosen.max()) < end
+    first = 0 if window is None else length - window + 1  # the query's first visible slot (it sits at `length - 1`)
+    if window is not None and end < first:
+        return None
+    outside = bool(count) and not first <= int(chosen.min()) <= int(chosen.max()) < end
     if int(q_slot[0, 0]) != length - 1 or end > length or outside:
         return None
     return torch.cat([chosen, torch.arange(end, length, device=chosen.device)])[None]
@@ -146,19 +150,18 @@ def _gather_slots(cache: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Ten
     return heads_first[:, :, :n].gather(2, index)
 
 
-def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: str, softcap=None, sinks=None):
+def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: str, softcap=None, sinks=None,
+               window=None, cand_start=None):
     """`reference.row_scores` over the valid slots: `(B, R, S)`, `-inf` outside the candidates."""
     if score not in ("logits", "weights"):
         raise ValueError(f"score must be 'logits' or 'weights', got {score!r}")
     num_slots = k_cache.shape[1]
     n = int(kv_len.max())
     logits = _grouped_logits(q_rows, _heads_first(k_cache, n), scaling, softcap)  # (B, Hq, R, n)
-    visible = reference._visible(q_slot_rows, kv_len, n, None)[:, None]
+    visible = reference._visible(q_slot_rows, kv_len, n, window)[:, None]
     if score == "weights":
         values = reference.softmax_with_sinks(logits.masked_fill(~visible, float("-inf")), sinks)
     else:
         values = logits.masked_fill(~visible, 0.0)
-    mean = values.mean(dim=1)
-    outside = torch.arange(n, device=mean.device)[None, None, :] >= cand_end[:, None, None]
-    mean = mean.masked_fill(outside, float("-inf"))
+    mean = values.mean(dim=1).masked_fill(~reference.candidate_slots(cand_start, cand_end, n)[:, None], float("-inf"))
     return torch.nn.functional.pad(mean, (0, num_slots - n), value=float("-inf"))

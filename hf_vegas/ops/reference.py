@@ -37,12 +37,14 @@ def selected_slots(sel_idx: torch.Tensor, sel_count: torch.Tensor, num_slots: in
     return member[:, :num_slots]
 
 
-def draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, num_slots: int) -> torch.Tensor:
-    """Draft mask: selected candidates plus every slot from `sel_end` on (accepted since, and drafts), causal."""
+def draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, num_slots: int, window: int | None = None
+                  ) -> torch.Tensor:
+    """Draft mask: selected candidates plus every slot from `sel_end` on (accepted since, and drafts), causal, and
+    inside the sliding window of a windowed layer."""
     slots = torch.arange(num_slots, device=q_slot.device)
     tail = slots[None, :] >= sel_end[:, None]
     chosen = selected_slots(sel_idx, sel_count, num_slots) | tail
-    return _visible(q_slot, kv_len, num_slots, None) & chosen[:, None, :]
+    return _visible(q_slot, kv_len, num_slots, window) & chosen[:, None, :]
 
 
 def _logits(q: torch.Tensor, k_cache: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
@@ -92,26 +94,29 @@ def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling: float, window=
 
 
 def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None,
-                           sinks=None):
-    """Draft attention: the selected candidate slots plus the tail `[sel_end, kv_len)`."""
-    visible = draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, k_cache.shape[1])
+                           sinks=None, window=None):
+    """Draft attention: the selected candidate slots plus the tail `[sel_end, kv_len)` (inside `window`, if any)."""
+    visible = draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, k_cache.shape[1], window)
     return masked_attention(q, k_cache, v_cache, visible, scaling, softcap, sinks)
 
 
-def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: str, softcap=None, sinks=None):
+def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: str, softcap=None, sinks=None,
+               window=None, cand_start=None):
     """Criticality of each candidate slot for the given query rows, averaged over query heads.
 
     Args:
         q_rows `(B, Hq, R, D)`, q_slot_rows `(B, R)`: the collected query rows (Collect-2-Query: R = 2).
-        cand_end `(B,)`: candidates are slots `[0, cand_end)`; other slots score `-inf`.
+        cand_end `(B,)`: candidates are slots `[cand_start, cand_end)` (`cand_start` `(B,)`, default 0); other slots
+            score `-inf`.
         score: `"logits"` (raw scaled logits) or `"weights"` (softmax weights over each row's visible slots, with
             the `sinks` in their denominators: the weights the layer's attention gives).
+        window: the layer's sliding window, or None (full attention).
 
     Returns `(B, R, S)` fp32, head-averaged, `-inf` outside the candidates.
     """
     num_slots = k_cache.shape[1]
     logits = _logits(q_rows, k_cache, scaling, softcap)  # (B, Hq, R, S)
-    visible = _visible(q_slot_rows, kv_len, num_slots, None)[:, None]  # full-attention layers only
+    visible = _visible(q_slot_rows, kv_len, num_slots, window)[:, None]
     if score == "weights":
         values = softmax_with_sinks(logits.masked_fill(~visible, float("-inf")), sinks)
     elif score == "logits":
@@ -119,8 +124,14 @@ def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: s
     else:
         raise ValueError(f"score must be 'logits' or 'weights', got {score!r}")
     mean = values.mean(dim=1)  # over query heads
-    slots = torch.arange(num_slots, device=q_rows.device)
-    return mean.masked_fill(slots[None, None, :] >= cand_end[:, None, None], float("-inf"))
+    return mean.masked_fill(~candidate_slots(cand_start, cand_end, num_slots)[:, None, :], float("-inf"))
+
+
+def candidate_slots(cand_start, cand_end, num_slots: int) -> torch.Tensor:
+    """`(B, S)` bool: slots in `[cand_start, cand_end)` (`cand_start` None: from 0)."""
+    slots = torch.arange(num_slots, device=cand_end.device)[None, :]
+    inside = slots < cand_end[:, None]
+    return inside if cand_start is None else inside & (slots >= cand_start[:, None])
 
 
 def select_topk(scores: torch.Tensor, k_max: int) -> torch.Tensor:
@@ -128,12 +139,15 @@ def select_topk(scores: torch.Tensor, k_max: int) -> torch.Tensor:
     return torch.topk(scores, k_max, dim=-1, sorted=True).indices
 
 
-def streaming_select(sel_count: torch.Tensor, sel_end: torch.Tensor, k_max: int, sink: int) -> torch.Tensor:
-    """StreamingLLM selection: the first `sink` slots plus the most recent `sel_count - sink` candidates."""
+def streaming_select(sel_count: torch.Tensor, sel_end: torch.Tensor, k_max: int, sink: int,
+                     cand_start: torch.Tensor | None = None) -> torch.Tensor:
+    """StreamingLLM selection: the first `sink` candidates (from `cand_start`, default 0) plus the most recent
+    `sel_count - sink` ones."""
     i = torch.arange(k_max, device=sel_count.device)[None, :]
     sinks = torch.clamp(sel_count, max=sink)[:, None]
+    first = i if cand_start is None else cand_start[:, None] + i
     recent = sel_end[:, None] - sel_count[:, None] + i
-    return torch.where(i < sinks, i, recent).clamp_min(0)
+    return torch.where(i < sinks, first, recent).clamp_min(0)
 
 
 def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float("-inf")) -> torch.Tensor:

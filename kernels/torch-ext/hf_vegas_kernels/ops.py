@@ -10,9 +10,10 @@ from .attention import EMIT_GROUP_SUM, EMIT_PER_HEAD, attend
 
 def sparse_draft_attention(
     q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None, list_len=None, sinks=None,
-    split_len=None,
+    split_len=None, window=None,
 ):
-    """Draft attention over `sel_idx[b, :sel_count[b]]` plus the tail `[sel_end[b], kv_len[b])`. `(B, T, Hq, Dv)`.
+    """Draft attention over `sel_idx[b, :sel_count[b]]` plus the tail `[sel_end[b], kv_len[b])`, each query inside
+    its sliding `window` if one is given. `(B, T, Hq, Dv)`.
 
     `list_len` bounds `sel_count + tail` on the host (it only balances the splits); default: the selection width.
     `split_len`: no split takes more entries than this (rounded up to the kernel's block), so rows with longer lists
@@ -21,7 +22,7 @@ def sparse_draft_attention(
     hint = list_len if list_len is not None else sel_idx.shape[1]
     out, _, _ = attend(
         q, k_cache, v_cache, q_slot, kv_len, scaling, tail_start=sel_end, list_len=hint,
-        sel_idx=sel_idx, sel_count=sel_count, softcap=softcap, sinks=sinks, split_len=split_len,
+        sel_idx=sel_idx, sel_count=sel_count, softcap=softcap, sinks=sinks, split_len=split_len, window=window,
     )
     return out
 
@@ -46,8 +47,9 @@ def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, window=None, s
 
 
 def verify_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, score: str, softcap=None,
-                     list_len=None, sinks=None):
-    """Dense attention that also emits the logits of the query rows `score_rows` for every slot it reads.
+                     list_len=None, sinks=None, window=None):
+    """Dense (optionally windowed) attention that also emits the logits of the query rows `score_rows` for every slot
+    it reads (a windowed layer reads, and emits, from the first slot any of the forward's queries sees).
 
     Returns `(out (B, T, Hq, Dv), emitted (B, R, heads, S), lse (B, T, Hq))`, for `finalize_scores`:
     `score="logits"` emits per-KV-head group sums (heads = Hkv), as logits are linear in the query; softmax weights,
@@ -58,9 +60,9 @@ def verify_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, s
         raise ValueError(f"score must be 'logits' or 'weights', got {score!r}")
     emit = EMIT_GROUP_SUM if score == "logits" and softcap is None else EMIT_PER_HEAD
     out, lse, emitted = attend(
-        q, k_cache, v_cache, q_slot, kv_len, scaling, tail_start=_dense_start(q_slot, None),
-        list_len=list_len if list_len is not None else k_cache.shape[1], softcap=softcap,
-        score_rows=score_rows, emit=emit, sinks=sinks,
+        q, k_cache, v_cache, q_slot, kv_len, scaling, tail_start=_dense_start(q_slot, window),
+        list_len=list_len if list_len is not None else (k_cache.shape[1] if window is None else window + q.shape[2]),
+        softcap=softcap, score_rows=score_rows, emit=emit, sinks=sinks, window=window,
     )
     return out, emitted, lse
 

@@ -35,14 +35,14 @@ def _ordered_key(x):
 @triton.jit
 def _select_topk(
     Scores, Count, CandEnd, Out, Layers, batch,
-    stride_sl, stride_sb, stride_ol, stride_ob,
+    stride_sl, stride_sb, stride_ol, stride_ob, stride_cl,
     BLOCK_S: tl.constexpr, THRESHOLDS: tl.constexpr,
 ):
     program = tl.program_id(0)
     layer = tl.load(Layers + program // batch)
     b = (program % batch).to(tl.int64)
     scores = Scores + layer * stride_sl + b * stride_sb
-    k = tl.load(Count + b).to(tl.int32)
+    k = tl.load(Count + layer * stride_cl + b).to(tl.int32)
     n = tl.load(CandEnd + b)
     lane = tl.arange(0, THRESHOLDS).to(tl.int64)
     # Invariant: at least k candidates have key >= lo, and the k-th largest key lies in [lo, hi].
@@ -89,13 +89,13 @@ def _select_topk(
 @triton.jit
 def _select_topk_row(
     Scores, Count, CandEnd, Out, Layers, batch,
-    stride_sl, stride_sb, stride_ol, stride_ob,
+    stride_sl, stride_sb, stride_ol, stride_ob, stride_cl,
     BLOCK_S: tl.constexpr,
 ):
     program = tl.program_id(0)
     layer = tl.load(Layers + program // batch)
     b = (program % batch).to(tl.int64)
-    k = tl.load(Count + b).to(tl.int32)
+    k = tl.load(Count + layer * stride_cl + b).to(tl.int32)
     n = tl.load(CandEnd + b)
     slot = tl.arange(0, BLOCK_S)
     valid = slot < n
@@ -122,19 +122,24 @@ def select_topk(scores, count, cand_end, out, layers=None):
     """Write into `out[..., b, :count[b]]` the slots of the `count[b]` highest `scores[..., b, :cand_end[b]]`.
 
     `scores` `(B, S)` with `out` `(B, K)`, or `scores` `(L, B, S)` with `out` `(L, B, K)` and `layers` the layer
-    indices to select for (default: all). Slots come out ascending; `count[b] <= cand_end[b]` is required (the
-    budget never exceeds the candidates) and `out[..., b, count[b]:]` is left untouched. Returns `out`.
+    indices to select for (default: all); `count` `(B,)`, or `(L, B)` for a budget per layer. Slots come out
+    ascending; `count <= cand_end` is required (the budget never exceeds the candidates) and `out[..., b, count:]`
+    is left untouched. Returns `out`.
     """
     if scores.dim() == 2:
         scores, out3 = scores[None], out[None]
     else:
         out3 = out
+    per_layer = count.dim() == 2
+    if count.dim() not in (1, 2) or count.shape[-1] != scores.shape[1] or (per_layer and count.stride(1) != 1):
+        raise ValueError(f"select_topk: count must be (B,) or (L, B) with contiguous rows, got {tuple(count.shape)}")
     if layers is None:
         layers = torch.arange(scores.shape[0], device=scores.device)
     batch = scores.shape[1]
     grid = (layers.numel() * batch,)
     args = (scores, count, cand_end, out3, layers, batch,
-            scores.stride(0), scores.stride(1), out3.stride(0), out3.stride(1))
+            scores.stride(0), scores.stride(1), out3.stride(0), out3.stride(1),
+            count.stride(0) if per_layer else 0)
     if scores.shape[-1] <= ROW_IN_REGISTERS:
         block = triton.next_power_of_2(scores.shape[-1])
         warps = _launch.SELECT_TUNING["num_warps"] or (16 if block > 8192 else 4)

@@ -1,0 +1,42 @@
+"""The throughput benchmark's windowed workload (`benchmarks/workloads.py`, `smollm2-window2048`): a Llama model's
+own weights behind Mistral's sliding window, tested here on a tiny Llama (the benchmark runs it on the GPU)."""
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+from tiny_models import ragged_batch, tiny_model
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+from workloads import parse_workload, with_sliding_window  # noqa: E402
+
+
+def test_a_window_longer_than_the_text_is_the_model_itself_and_shares_its_weights():
+    llama = tiny_model("llama")
+    ids, _ = ragged_batch([50])
+    long, short = with_sliding_window(llama, 4096), with_sliding_window(llama, 16)
+    with torch.no_grad():
+        expected = llama(ids).logits
+        torch.testing.assert_close(long(ids).logits, expected, rtol=0, atol=0)
+        assert not torch.allclose(short(ids).logits, expected), "a 16-slot window must change a 50-token forward"
+    assert short.model.embed_tokens.weight.data_ptr() == llama.model.embed_tokens.weight.data_ptr()
+    assert short.config.sliding_window == 16 and not short.training
+
+
+@pytest.mark.usefixtures("short_windows_draft")
+def test_vegas_on_the_windowed_workload_is_vanilla():
+    model = with_sliding_window(tiny_model("llama"), 40)
+    ids, mask = ragged_batch([80, 61])
+    common = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=3, vegas_sparsity=0.1,
+                         vegas_min_tokens=8)
+    assert torch.equal(out, model.generate(ids, **common))
+
+
+def test_workload_names():
+    assert str(parse_workload("smollm2-window2048:64x7500")) == "smollm2-window2048:64x7500"
+    assert parse_workload("smollm2-window2048:4x100").real_weights
+    with pytest.raises(ValueError, match="MODEL:BATCHxPROMPT_TOKENS"):
+        parse_workload("smollm2-window:4x100")
