@@ -40,3 +40,27 @@ def test_workload_names():
     assert parse_workload("smollm2-window2048:4x100").real_weights
     with pytest.raises(ValueError, match="MODEL:BATCHxPROMPT_TOKENS"):
         parse_workload("smollm2-window:4x100")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU (real SmolLM2 behind a window, kernels and graphs); the tiny-model tests "
+                           "above and tests/test_sliding_windows.py cover it on the CPU")
+def test_real_windowed_model_on_the_gpu_is_vanilla_in_fp32():
+    """The benchmark's windowed SmolLM2 in fp32 on the GPU (Triton kernels, CUDA graphs), prompts past the window:
+    greedy tokens are vanilla's, so a bf16 difference from the dense path is rounding, not a wrong draft mask."""
+    from hf_vegas.real_models import load_smollm2, long_prompt
+
+    model, tokenizer = load_smollm2(torch.float32, "cuda")
+    model = with_sliding_window(model, 2048)
+    rows = [long_prompt(tokenizer, 3000)[0], long_prompt(tokenizer, 2600, topic_offset=1)[0]]
+    width = max(len(r) for r in rows)
+    ids = torch.full((2, width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row):], mask[b, width - len(row):] = row, 1
+    ids, mask = ids.cuda(), mask.cuda()
+    common = dict(attention_mask=mask, max_new_tokens=48, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    expected = model.generate(ids, **common)
+    out = model.generate(ids, **common, custom_generate="vegas", vegas_min_tokens=64, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.tokens_per_iteration > 1.5
