@@ -107,9 +107,9 @@ def vegas_attention_forward(
         )
         _select_from_emitted(cache, kernels, module.layer_idx, emitted, lse, query.shape[1], sliding_window)
     else:
-        plain = softcap is None and sliding_window is None and sinks is None
+        plain = softcap is None and sinks is None
         if plan.prefill_left_pad is not None and plain:
-            out = prefill.causal_per_row(query, key, value, plan.prefill_left_pad, scaling)
+            out = prefill.causal_per_row(query, key, value, plan.prefill_left_pad, scaling, sliding_window)
         else:
             dense = kernels.dense_attention if kernels else ops.dense_attention
             out = dense(query, key, value, plan.query_slots, kv_len, scaling, sliding_window, softcap, **extra_ops)
@@ -119,8 +119,8 @@ def vegas_attention_forward(
 
 
 # The kernels keep all `groups * tokens` query rows of a KV head in one tile. Longer forwards (prefills) run one
-# causal SDPA call per row (`ops/prefill.py`), or the reference ops when a prefill does not start from an empty cache
-# or the layer has a sliding window or a soft cap.
+# causal (or banded, for a sliding window) SDPA call per row (`ops/prefill.py`), or the reference ops when a prefill
+# does not start from an empty cache or the layer has a soft cap or sinks.
 MAX_KERNEL_QUERY_ROWS = 64
 
 
