@@ -146,18 +146,29 @@ def test_traffic_model_reads_a_budget_of_each_sparse_window():
     assert drafted < WINDOW
 
 
-def test_a_window_above_the_real_threshold_drafts_sparsely(monkeypatch):
-    """At the real `SHORT_WINDOW`: a 1100-slot window under prompts of 1300 tokens, on the CPU path."""
+def test_a_window_above_the_real_threshold_drafts_sparsely_through_every_entry_point(monkeypatch):
+    """At the real `SHORT_WINDOW`: a 1100-slot window under prompts of 1300 tokens, on the CPU path, through the
+    callable, the short name, the Hub-style folder (its own copy of the code) and HF's assisted loop."""
     monkeypatch.setattr(hf_vegas.config, "SHORT_WINDOW", 1024)
     torch.manual_seed(0)
     from transformers import MistralConfig, MistralForCausalLM
+
+    from hf_vegas.assisted import assisted_generate
+    from hub_folder import hub_folder
 
     model = MistralForCausalLM(MistralConfig(**COMMON, num_hidden_layers=2, num_attention_heads=4,
                                              num_key_value_heads=2, sliding_window=1100)).eval()
     ids, mask = ragged_batch([1300, 1180])
     common = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=4, vegas_min_tokens=64,
-                         return_dict_in_generate=True)
-    assert torch.equal(out.sequences, model.generate(ids, **common))
+    vegas = dict(vegas_gamma=4, vegas_min_tokens=64)
+    expected = model.generate(ids, **common)
+    out = model.generate(ids, **common, custom_generate="vegas", return_dict_in_generate=True, **vegas)
+    assert torch.equal(out.sequences, expected)
     sel = getattr(out, CACHE_KEYWORD).selection
     assert sel.windows == {0: 1100, 1: 1100} and bool((sel.sel_count < 1099).all())
+    assert torch.equal(model.generate(ids, **common, custom_generate=hf_vegas.generate, **vegas), expected)
+    hub = model.generate(ids, **common, custom_generate=hub_folder(), trust_remote_code=True, **vegas)
+    assert torch.equal(hub, expected)
+    one = ids[:1]
+    assert torch.equal(assisted_generate(model, one, max_new_tokens=12, do_sample=False, **vegas),
+                       model.generate(one, max_new_tokens=12, do_sample=False))
