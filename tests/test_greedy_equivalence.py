@@ -8,6 +8,7 @@ from hf_vegas._compat.internals import CACHE_KEYWORD
 from hf_vegas.selection_state import budget_tensor
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from kernel_cases import DEVICE
 from tiny_models import BUILDERS, MORE_BUILDERS, ragged_batch, tiny_model
 
 # Long enough that the budget (8 of ~80 candidates) really drops tokens.
@@ -249,6 +250,8 @@ def test_gpt_oss_attention_sinks_give_vanilla_greedy_tokens(backend):
         for layer in model.model.layers:
             layer.self_attn.sinks.copy_(torch.randn(4) * 3)
     ids, mask = ragged_batch([50, 33])  # tiny_models.VOCAB ids fit the 128-token vocabulary
+    if backend == "triton":  # the kernels on the GPU where there is one, else in Triton's CPU interpreter
+        model, ids, mask = model.to(DEVICE), ids.to(DEVICE), mask.to(DEVICE)
     common = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
     vanilla = model.generate(ids, **common)
     out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=3, vegas_sparsity=0.2,
