@@ -19,7 +19,11 @@ arm of `AUTO_GAMMAS` and for the dense path (gamma 0), the tokens per second it 
 
 Not timed: iterations that compiled or captured a graph, and the first iteration of each arm in a generation (its
 kernels may compile then, graphs or not). The arm changes when another one's prediction beats it by `MARGIN` at two
-decisions in a row (`DECIDE_EVERY` iterations apart). The step times of a pooled bucket (same batch, capacity and
+decisions in a row (`DECIDE_EVERY` iterations apart). An arm whose steps were never timed in this bucket may need its
+graphs prepared (warm-up, compilation, capture): it qualifies only when the time its predicted rate saves over the
+tokens the rows still have to generate exceeds what preparing an arm cost (the untimed iterations of the last arm
+prepared; nothing before any was measured). At a few hundred new tokens a capture can cost more than a slightly
+better gamma saves. The step times of a pooled bucket (same batch, capacity and
 config, `hf_vegas.graphs`) and decoding (greedy or sampling, the same processors) carry over to its next `generate`
 call, which starts on the arm the last one ended on. Any arm is lossless: drafts never decide the output.
 """
@@ -63,6 +67,7 @@ class _Times:
         self.rest: dict[int, float] = {}
         self.dense: float | None = None
         self.last_gamma: int | None = None
+        self.prepare: float | None = None  # seconds of the untimed iterations that prepared an arm's graphs
 
     @staticmethod
     def mix(old: float | None, new: float) -> float:
@@ -92,6 +97,7 @@ class GammaController:
         self._events = device.type == "cuda"
         self._draft_start = self._draft_end = None
         self._last_sync: float | None = None
+        self._preparing = 0.0  # seconds of the untimed (preparing) iterations since the last timed one
 
     # -- measuring -------------------------------------------------------------------------------------------------
     def draft_starts(self) -> None:
@@ -112,12 +118,18 @@ class GammaController:
             return self._draft_start.elapsed_time(self._draft_end) / 1000  # both done: the iteration has synced
         return self._draft_end - self._draft_start
 
-    def observe(self, accepted: list[int | None], timed: bool) -> None:
+    def observe(self, accepted: list[int | None], timed: bool, remaining: float | None = None) -> None:
         """After the iteration's host synchronisation: `accepted[b]` drafts row `b` accepted (None: the row was
         inactive or its chunk was cut by a stop, which says nothing of its acceptance); `timed` is False when the
-        iteration compiled or captured a graph."""
+        iteration compiled or captured a graph; `remaining`: tokens an active row still generates, on average (None:
+        unknown, which never holds a move back)."""
         now = time.perf_counter()
         gamma, times = self.gamma, self.times
+        if not timed and self._last_sync is not None:
+            self._preparing += now - self._last_sync
+        elif timed and self._preparing:
+            times.prepare = times.mix(times.prepare, self._preparing)
+            self._preparing = 0.0
         if timed and gamma in self.visited and self._last_sync is not None:
             seconds = now - self._last_sync
             if gamma == 0:
@@ -135,7 +147,7 @@ class GammaController:
         self.since_decision += 1
         if self.since_decision >= DECIDE_EVERY:
             self.since_decision = 0
-            self._decide([n is not None for n in accepted])
+            self._decide([n is not None for n in accepted], remaining)
         times.last_gamma = self.gamma
 
     def _count(self, row: int, accepted: int, gamma: int) -> None:
@@ -173,11 +185,22 @@ class GammaController:
         timed = self.times.rest
         return timed[gamma] if gamma in timed else timed[min(timed, key=lambda g: (abs(g - gamma), g))]
 
-    def _decide(self, rows: list[bool]) -> None:
+    def _prepared(self, gamma: int) -> bool:
+        """Whether `gamma`'s steps ran timed in this bucket and decoding (so their graphs, if any, exist)."""
+        return self.times.dense is not None if gamma == 0 else gamma in self.times.rest
+
+    def _worth_preparing(self, gamma: int, rates: dict[int, float], remaining: float | None) -> bool:
+        """Whether moving to `gamma` pays for preparing its steps over the tokens the rows still generate."""
+        if gamma == self.gamma or self._prepared(gamma) or remaining is None or self.times.prepare is None:
+            return True
+        saved = remaining * (1 / rates[self.gamma] - 1 / rates[gamma])  # seconds, at the predicted rates
+        return saved > self.times.prepare
+
+    def _decide(self, rows: list[bool], remaining: float | None = None) -> None:
         rates = self.rates(rows)
         if rates is None:
             return
-        best = max(rates, key=rates.get)
+        best = max((g for g in rates if self._worth_preparing(g, rates, remaining)), key=rates.get)
         if best == self.gamma or rates[best] <= (1 + MARGIN) * rates[self.gamma]:
             self.challenger = None
             return

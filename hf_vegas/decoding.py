@@ -224,9 +224,16 @@ class _Loop:
             self.runner.set_gamma(self.auto.gamma)
             prepared = self._preparations()
             accepted.append(torch.where(active, self._iterate(active), -1))
-            self.auto.observe(self._observed(active_host), timed=self._preparations() == prepared)
+            self.auto.observe(self._observed(active_host), timed=self._preparations() == prepared,
+                              remaining=self._remaining(active_host))
         stats = torch.stack(accepted, dim=1) if accepted else first.new_zeros(first.shape[0], 0)
         return self._sequences(self.input_ids.shape[1]), stats
+
+    def _remaining(self, active: list[bool]) -> float | None:
+        """Tokens an active row still generates at most, on average (None when no row is active)."""
+        limit = self._limit()
+        left = [limit - generated for live, generated in zip(active, self.generated) if live]
+        return sum(left) / len(left) if left else None
 
     def _preparations(self) -> int:
         return 0 if self.runner.graphs is None else self.runner.graphs.preparations

@@ -43,12 +43,14 @@ class _FakeClock:
         monkeypatch.setattr(auto_gamma.time, "perf_counter", lambda: self.now)
         monkeypatch.setattr(controller, "_draft_seconds", lambda: controller.gamma * self.draft)
 
-    def iterate(self, acceptance: list[float], rng: random.Random, rows: int, first_cost: float = 0.0) -> int:
+    def iterate(self, acceptance: list[float], rng: random.Random, rows: int, first_cost: float = 0.0,
+                remaining: float | None = None) -> int:
         gamma = self.controller.gamma
         self.now += self.dense if gamma == 0 else gamma * self.draft + self.rest[gamma]
         if gamma not in self.controller.visited:
             self.now += first_cost  # a kernel compiling at the arm's first iteration
-        self.controller.observe([_draw(acceptance, gamma, rng) for _ in range(rows)], timed=True)
+        self.controller.observe([_draw(acceptance, gamma, rng) for _ in range(rows)], timed=True,
+                                remaining=remaining)
         return gamma
 
 
@@ -148,7 +150,7 @@ def schedule(monkeypatch):
     """Replaces the controller's decisions with a fixed cycle of gammas, one per iteration (0: a dense step)."""
     cycle = [2, 0, 8, 4, 0, 0, 6, 2, 8]
 
-    def observe(self, accepted, timed):
+    def observe(self, accepted, timed, remaining=None):
         self.step = getattr(self, "step", 0) + 1
         self.gamma = cycle[self.step % len(cycle)]
 
@@ -175,7 +177,8 @@ def test_greedy_stays_vanilla_while_gamma_moves(arch, schedule):
 def test_sampling_keeps_vanilla_distribution_while_gamma_moves(start, then, monkeypatch):
     """Three new tokens take two iterations: a short draft then a dense step, or a dense step then a draft."""
     monkeypatch.setattr(auto_gamma, "START", start)
-    monkeypatch.setattr(GammaController, "observe", lambda self, accepted, timed: setattr(self, "gamma", then))
+    monkeypatch.setattr(GammaController, "observe",
+                        lambda self, accepted, timed, remaining=None: setattr(self, "gamma", then))
     model = tiny_model("llama", seed=3)
     prompt = torch.randint(1, 128, (1, 48), generator=torch.Generator().manual_seed(3))
     counts, out = vegas_samples(model, prompt, vegas_gamma="auto", vegas_sparsity=0.05, vegas_min_tokens=2)
@@ -211,3 +214,34 @@ def test_the_assisted_loop_refuses_auto():
     ids, _ = ragged_batch([30])
     with pytest.raises(ValueError, match="vegas_gamma='auto'"):
         assisted_generate(model, ids, vegas_gamma="auto", max_new_tokens=4)
+
+
+def test_an_unprepared_arm_must_pay_for_its_preparation_over_the_tokens_left(monkeypatch):
+    """gamma 8 is predicted 14 % faster than 6 here (it borrows 6's verification time), and its graphs were never
+    prepared in this bucket. Preparing an arm cost 200 s (the untimed iterations measured at the start, against 16 s
+    per iteration); over 100 tokens left (about 14 iterations) the gain saves 29 s, so the arm stays; over a million
+    tokens it pays, and it moves. An arm already timed in the bucket needs no such payback."""
+    def controller_after_start(remaining):
+        controller = GammaController((6, 8), 4, torch.device("cpu"))
+        clock = _FakeClock(controller, monkeypatch, draft=1.0, rest={6: 10.0, 8: 10.0}, dense=1e9)
+        controller.observe([None] * 4, timed=True)  # the first sync starts the clock
+        for _ in range(2):  # the start arm's graphs prepared: two untimed iterations
+            clock.now += 100.0
+            controller.observe([6] * 4, timed=False)
+        rng = random.Random(0)
+        for _ in range(20):
+            clock.iterate([1.0], rng, 4, remaining=remaining)
+        return controller, clock, rng
+
+    assert controller_after_start(None)[0].times.prepare == pytest.approx(200.0)
+    assert controller_after_start(1e6)[0].gamma == 8
+    assert controller_after_start(None)[0].gamma == 8, "without a count of the tokens left, nothing holds a move back"
+    stays, clock, rng = controller_after_start(100.0)  # last: its clock is the one `time.perf_counter` reads
+    rates = stays.rates()
+    assert rates[8] > 1.1 * rates[6], "gamma 8 predicts more than the margin"
+    assert 100 * (1 / rates[6] - 1 / rates[8]) < 200.0
+    assert stays.gamma == 6, "100 tokens at this gain do not pay 200 s of preparation"
+    stays.times.rest[8] = 10.0  # timed before in this bucket: prepared
+    for _ in range(4):
+        clock.iterate([1.0], rng, 4, remaining=100.0)
+    assert stays.gamma == 8

@@ -270,9 +270,10 @@ def test_a_moving_gamma_captures_each_arms_steps_once_and_replays_them(monkeypat
     from hf_vegas.config import AUTO_GAMMAS
 
     cycle = [*AUTO_GAMMAS, 0]
-    monkeypatch.setattr(GammaController, "observe",
-                        lambda self, accepted, timed: setattr(self, "gamma", cycle[(cycle.index(self.gamma) + 1)
-                                                                                   % len(cycle)]))
+    def observe(self, accepted, timed, remaining=None):
+        self.gamma = cycle[(cycle.index(self.gamma) + 1) % len(cycle)]
+
+    monkeypatch.setattr(GammaController, "observe", observe)
     model = tiny_model("llama").cuda()
     ids, mask = (t.cuda() for t in ragged_batch([80, 61, 37]))
     vanilla = model.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False, pad_token_id=0)
