@@ -11,9 +11,10 @@ arm of `AUTO_GAMMAS` and for the dense path (gamma 0), the tokens per second it 
   make short arms over-predict long ones. A position never tried borrows the estimate of the one before it. A row
   then expects `1 + a1 + a1 a2 + ... + a1...ag` tokens from an iteration of g drafts; the batch's expectation is
   the mean over its active rows;
-- time: an iteration of g drafts costs `g * draft_step + rest(g)` (verification, acceptance, host), a dense one
+- time: an iteration of g drafts costs `g * draft_step + rest` (verification, acceptance, host), a dense one
   `dense_step`. The draft step is timed (CUDA events on the model's stream, or the host clock off CUDA) and shared
-  by every arm; `rest` and `dense_step` are timed per arm, and an arm not yet timed borrows the nearest timed one.
+  by every arm, and so is `rest`: the current arm's (it barely depends on g, and another arm's goes stale while it
+  does not run); before the current arm is timed, the nearest timed one's.
   Until it is timed, the dense step is taken to cost a draft step (a dense step reads what a draft step reads and
   more): so the dense path is tried, and timed, only when it could win.
 
@@ -182,7 +183,12 @@ class GammaController:
         return rates
 
     def _rest(self, gamma: int) -> float:
+        """The rest of an iteration (verification, acceptance, host) of any arm: the current arm's, timed last. It
+        barely depends on gamma (a verification of gamma + 1 tokens reads what one of 7 does), and an arm's own time
+        goes stale while another runs: at batch 1 a stale, slower time kept gamma 6 from being tried again."""
         timed = self.times.rest
+        if self.gamma in timed:
+            return timed[self.gamma]
         return timed[gamma] if gamma in timed else timed[min(timed, key=lambda g: (abs(g - gamma), g))]
 
     def _prepared(self, gamma: int) -> bool:

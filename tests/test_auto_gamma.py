@@ -245,3 +245,17 @@ def test_an_unprepared_arm_must_pay_for_its_preparation_over_the_tokens_left(mon
     for _ in range(4):
         clock.iterate([1.0], rng, 4, remaining=100.0)
     assert stays.gamma == 8
+
+
+def test_another_arms_stale_time_does_not_keep_it_out():
+    """Seen at batch 1 on the H100: gamma 6's rest of an iteration, timed once while its kernels were still warming,
+    stayed 10x too high while gamma 8 ran, so 6 never looked better again. Every arm is predicted with the current
+    arm's rest (it barely depends on gamma): the drafts past the 6th, mostly rejected, make 6 the better arm."""
+    controller = GammaController((6, 8), 1, torch.device("cpu"))
+    controller.gamma = 8
+    controller.times.draft_step, controller.times.rest = 1.0, {6: 40.0, 8: 3.6}
+    for _ in range(30):  # positions 1-6 accepted, 7 rejected
+        controller._count(0, 6, 8)
+    rates = controller.rates()
+    assert rates[6] > 1.05 * rates[8]
+    assert rates[6] == pytest.approx(expected_tokens(controller.acceptance(0), 6) / (6 * 1.0 + 3.6))
