@@ -101,6 +101,11 @@ class GammaController:
         self._preparing = 0.0  # seconds of the untimed (preparing) iterations since the last timed one
 
     # -- measuring -------------------------------------------------------------------------------------------------
+    def start_clock(self) -> None:
+        """Before the first iteration, after a synchronisation (the prefill's tokens were read on the host): that
+        iteration's time counts, so a fresh bucket's first preparation (its eager warm-up) is measured whole."""
+        self._last_sync = time.perf_counter()
+
     def draft_starts(self) -> None:
         self._draft_start = self._mark()
 

@@ -215,6 +215,8 @@ class _Loop:
         if self.recorder.active:
             self.recorder.add(scores[:, None], logits[:, -1:], self.kept)
         accepted = []
+        if self.auto is not None:
+            self.auto.start_clock()
         while any(active_host := self._active()):
             active = self._active_on_device()
             self.cache.plan.row_active.copy_(active)

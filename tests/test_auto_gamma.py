@@ -259,3 +259,17 @@ def test_another_arms_stale_time_does_not_keep_it_out():
     rates = controller.rates()
     assert rates[6] > 1.05 * rates[8]
     assert rates[6] == pytest.approx(expected_tokens(controller.acceptance(0), 6) / (6 * 1.0 + 3.6))
+
+
+def test_a_fresh_buckets_first_preparation_is_measured_whole(monkeypatch):
+    """The clock starts before the first iteration (`start_clock`, after the prefill's synchronisation): the eager
+    warm-up of the start arm counts in the preparation cost, not only the capture after it."""
+    controller = GammaController(AUTO_GAMMAS, 2, torch.device("cpu"))
+    clock = _FakeClock(controller, monkeypatch, draft=1.0, rest={g: 4.0 for g in AUTO_GAMMAS}, dense=3.0)
+    controller.start_clock()
+    clock.now += 30.0  # the eager warm-up (kernels compile)
+    controller.observe([6, 6], timed=False)
+    clock.now += 20.0  # the capture
+    controller.observe([6, 6], timed=False)
+    clock.iterate([0.9], random.Random(0), 2)
+    assert controller.times.prepare == pytest.approx(50.0)
