@@ -172,3 +172,18 @@ def test_a_window_above_the_real_threshold_drafts_sparsely_through_every_entry_p
     one = ids[:1]
     assert torch.equal(assisted_generate(model, one, max_new_tokens=12, do_sample=False, **vegas),
                        model.generate(one, max_new_tokens=12, do_sample=False))
+
+
+@pytest.mark.parametrize("arch", ["phi3", "starcoder2"])
+def test_phi3_and_starcoder2_past_their_window_draft_inside_it(arch, monkeypatch):
+    """Phi-3-mini-4k (2047) and StarCoder2 (4096) window every layer like Mistral v0.1; past the window (here 1100
+    slots, at the real threshold) they draft inside it and keep vanilla's tokens."""
+    monkeypatch.setattr(hf_vegas.config, "SHORT_WINDOW", 1024)
+    model = tiny_model(arch)
+    model.config.sliding_window = 1100
+    ids, mask = ragged_batch([1250, 1130])
+    common = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma=3, vegas_min_tokens=64,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, model.generate(ids, **common))
+    assert getattr(out, CACHE_KEYWORD).selection.windows == {i: 1100 for i in range(model.config.num_hidden_layers)}
