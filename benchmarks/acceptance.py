@@ -132,12 +132,17 @@ def plot(records: list[dict], model: str, gamma: int, new_tokens: int, path: Pat
                     runs.setdefault(r["config"]["sparsity"], []).append(r["tokens_per_iteration"])
             points = sorted((budget, sum(v) / len(v)) for budget, v in runs.items())
             if points:
-                ax.plot(*zip(*points), marker="o", label=variant, linestyle="--" if variant == "oracle" else "-")
+                ax.plot(*zip(*points), marker="o", label=variant, linestyle="--" if variant == "oracle" else "-",
+                        color=f"C{list(VARIANTS).index(variant)}")  # one colour per policy in every panel
         ax.set_title(f"{task}, {tokens} tokens, floor {floor}", fontsize=9)
         ax.set_xlabel("budget (sparsity ratio)")
         ax.set_ylabel("tokens / iteration")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    labels = {}  # every policy any panel drew, for one legend
+    for ax in axes[0]:
+        for line in ax.get_lines():
+            labels.setdefault(line.get_label(), line)
+    axes[0][0].legend(list(labels.values()), list(labels), fontsize=7)
     save_figure(fig, path, f"{model}: tokens per iteration by draft policy (greedy, gamma {gamma}, "
                 f"{new_tokens} new tokens)", 10, "acceptance records")
 
