@@ -176,9 +176,9 @@ def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap, sin
         sel.has_selection = True
         return
     start = sel.cand_start[layer_idx]
-    if sel.score_rows is None:  # a policy that selects by position alone
+    if sel.score_rows is None:  # a policy that selects by position alone (a window's candidates start inside it)
         sel.store(layer_idx, sel.policy.select_by_position(sel.sel_count[layer_idx], sel.sel_end, sel.max_selected,
-                                                           start))
+                                                           None if window is None else start))
         return
     rows, q_slot = sel.score_rows, plan.query_slots
     scores = _torch_ops(cache).row_scores(

@@ -22,8 +22,9 @@ Not timed: iterations that compiled or captured a graph, and the first iteration
 kernels may compile then, graphs or not). The arm changes when another one's prediction beats it by `MARGIN` at two
 decisions in a row (`DECIDE_EVERY` iterations apart). An arm whose steps were never timed in this bucket may need its
 graphs prepared (warm-up, compilation, capture): it qualifies only when the time its predicted rate saves over the
-tokens the rows still have to generate exceeds what preparing an arm cost (the untimed iterations of the last arm
-prepared; nothing before any was measured). At a few hundred new tokens a capture can cost more than a slightly
+tokens the rows still have to generate exceeds what preparing an arm costs (a running average of the untimed
+iterations each preparation took, the fresh bucket's first one, with its eager warm-up, included; nothing holds a
+move back before any was measured). At a few hundred new tokens a capture can cost more than a slightly
 better gamma saves. The step times of a pooled bucket (same batch, capacity and
 config, `hf_vegas.graphs`) and decoding (greedy or sampling, the same processors) carry over to its next `generate`
 call, which starts on the arm the last one ended on. Any arm is lossless: drafts never decide the output.

@@ -41,7 +41,7 @@ class VegasConfig:
             any choice is lossless.
         sparsity (`float`, *optional*, defaults to 0.07):
             Fraction of the prefix that draft attention reads, in `(0, 1]`, per (sequence, sparse layer). A
-            sliding-window layer's prefix is its window: `len` below is then `min(len, window)`.
+            sliding-window layer's prefix is what its window holds of it: `len` below is then `min(len, window - 1)`.
         min_tokens (`int`, *optional*, defaults to 256):
             Lower bound of the per-sequence budget: `budget = clamp(ceil(sparsity * len), min_tokens, len)`. With
             the sparsity, it also decides which sliding-window layers draft sparsely (`drafts_window_sparsely`).

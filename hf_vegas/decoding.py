@@ -227,7 +227,7 @@ class _Loop:
             prepared = self._preparations()
             accepted.append(torch.where(active, self._iterate(active), -1))
             self.auto.observe(self._observed(active_host), timed=self._preparations() == prepared,
-                              remaining=self._remaining(active_host))
+                              remaining=self._remaining(self._active()))
         stats = torch.stack(accepted, dim=1) if accepted else first.new_zeros(first.shape[0], 0)
         return self._sequences(self.input_ids.shape[1]), stats
 

@@ -187,3 +187,16 @@ def test_phi3_and_starcoder2_past_their_window_draft_inside_it(arch, monkeypatch
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, model.generate(ids, **common))
     assert getattr(out, CACHE_KEYWORD).selection.windows == {i: 1100 for i in range(model.config.num_hidden_layers)}
+
+
+def test_the_cpu_draft_list_keeps_the_window_s_first_slot():
+    """The CPU path's one-query list (no mask) is the reference's visible set, the window's first slot included; a
+    selected slot the window has left sends it to the general (masked) path."""
+    from hf_vegas.ops import eager, reference
+
+    q_slot, kv_len, count, end = torch.tensor([[19]]), torch.tensor([20]), torch.tensor([2]), torch.tensor([16])
+    chosen = torch.tensor([[12, 14, 0]])  # window 8: the query at 19 sees slots 12..19
+    visible = reference.draft_visible(q_slot, kv_len, chosen, count, end, 20, window=8)[0, 0]
+    assert visible.nonzero().flatten().tolist() == [12, 14, 16, 17, 18, 19]
+    assert eager._one_query_list(q_slot, kv_len, chosen, count, end, window=8).tolist() == [[12, 14, 16, 17, 18, 19]]
+    assert eager._one_query_list(q_slot, kv_len, torch.tensor([[11, 14, 0]]), count, end, window=8) is None

@@ -128,7 +128,7 @@ def _one_query_list(q_slot, kv_len, sel_idx, sel_count, sel_end, window=None) ->
     """
     length, count, end = int(kv_len[0]), int(sel_count[0]), int(sel_end[0])
     chosen = sel_idx[0, :count]
-    first = 0 if window is None else length - window + 1  # the query's first visible slot (it sits at `length - 1`)
+    first = 0 if window is None else length - window  # the query's first visible slot (it sits at `length - 1`)
     if window is not None and end < first:
         return None
     outside = bool(count) and not first <= int(chosen.min()) <= int(chosen.max()) < end
