@@ -175,15 +175,14 @@ def _select(cache: VegasCache, layer_idx: int, query, key, scaling, softcap, sin
     if sel.policy.selects_while_drafting:  # candidates and budget are set; each draft step picks its slots
         sel.has_selection = True
         return
-    start = sel.cand_start[layer_idx]
-    if sel.score_rows is None:  # a policy that selects by position alone (a window's candidates start inside it)
+    if sel.score_rows is None:  # a policy that selects by position alone
         sel.store(layer_idx, sel.policy.select_by_position(sel.sel_count[layer_idx], sel.sel_end, sel.max_selected,
-                                                           None if window is None else start))
+                                                           windowed=window is not None))
         return
     rows, q_slot = sel.score_rows, plan.query_slots
     scores = _torch_ops(cache).row_scores(
         query[:, :, rows], key, q_slot[:, rows], plan.lengths, sel.sel_end, scaling, config.score, softcap,
-        sinks=sinks, window=window, cand_start=start,
+        sinks=sinks, window=window, cand_start=sel.cand_start[layer_idx],
     )
     if sel.policy.deferred(plan.mode):
         sel.row_scores[layer_idx] = scores

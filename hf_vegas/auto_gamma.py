@@ -24,10 +24,10 @@ decisions in a row (`DECIDE_EVERY` iterations apart). An arm whose steps were ne
 graphs prepared (warm-up, compilation, capture): it qualifies only when the time its predicted rate saves over the
 tokens the rows still have to generate exceeds what preparing an arm costs (a running average of the untimed
 iterations each preparation took, the fresh bucket's first one, with its eager warm-up, included; nothing holds a
-move back before any was measured). At a few hundred new tokens a capture can cost more than a slightly
-better gamma saves. The step times of a pooled bucket (same batch, capacity and
-config, `hf_vegas.graphs`) and decoding (greedy or sampling, the same processors) carry over to its next `generate`
-call, which starts on the arm the last one ended on. Any arm is lossless: drafts never decide the output.
+move back before any was measured). At a few hundred new tokens a capture can cost more than a slightly better gamma
+saves. The step times of a pooled bucket (same batch, capacity and config, `hf_vegas.graphs`) and decoding (greedy
+or sampling, the same processors) carry over to its next `generate` call, which starts on the arm the last one ended
+on. Any arm is lossless: drafts never decide the output.
 """
 
 from __future__ import annotations

@@ -68,11 +68,10 @@ class Streaming:
         return False
 
     def select_by_position(self, sel_count: torch.Tensor, sel_end: torch.Tensor, k_max: int,
-                           cand_start: torch.Tensor | None = None) -> torch.Tensor:
-        """`cand_start` given: a sliding window's candidates, which hold no attention sink (vanilla's queries no
-        longer see the first slots, and the window's own first slots leave it as the drafts advance): all recent."""
-        sinks = self.sink_tokens if cand_start is None else 0
-        return reference.streaming_select(sel_count, sel_end, k_max, sinks, cand_start)
+                           windowed: bool = False) -> torch.Tensor:
+        """`windowed`: a sliding window's candidates hold no attention sink (its queries no longer see the first
+        slots, and the window's own first slots leave it as the drafts advance), so all are the most recent."""
+        return reference.streaming_select(sel_count, sel_end, k_max, 0 if windowed else self.sink_tokens)
 
 
 class Oracle:

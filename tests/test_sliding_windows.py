@@ -200,3 +200,11 @@ def test_the_cpu_draft_list_keeps_the_window_s_first_slot():
     assert visible.nonzero().flatten().tolist() == [12, 14, 16, 17, 18, 19]
     assert eager._one_query_list(q_slot, kv_len, chosen, count, end, window=8).tolist() == [[12, 14, 16, 17, 18, 19]]
     assert eager._one_query_list(q_slot, kv_len, torch.tensor([[11, 14, 0]]), count, end, window=8) is None
+
+
+def test_streaming_keeps_no_sink_slots_inside_a_window():
+    from hf_vegas.selection import Streaming
+
+    count, end = torch.tensor([5]), torch.tensor([40])
+    assert Streaming().select_by_position(count, end, 7, windowed=True)[0, :5].tolist() == [35, 36, 37, 38, 39]
+    assert Streaming().select_by_position(count, end, 7)[0, :5].tolist() == [0, 1, 2, 3, 39]

@@ -139,15 +139,12 @@ def select_topk(scores: torch.Tensor, k_max: int) -> torch.Tensor:
     return torch.topk(scores, k_max, dim=-1, sorted=True).indices
 
 
-def streaming_select(sel_count: torch.Tensor, sel_end: torch.Tensor, k_max: int, sink: int,
-                     cand_start: torch.Tensor | None = None) -> torch.Tensor:
-    """StreamingLLM selection: the first `sink` candidates (from `cand_start`, default 0) plus the most recent
-    `sel_count - sink` ones."""
+def streaming_select(sel_count: torch.Tensor, sel_end: torch.Tensor, k_max: int, sink: int) -> torch.Tensor:
+    """StreamingLLM selection: the first `sink` slots plus the most recent `sel_count - sink` candidates."""
     i = torch.arange(k_max, device=sel_count.device)[None, :]
     sinks = torch.clamp(sel_count, max=sink)[:, None]
-    first = i if cand_start is None else cand_start[:, None] + i
     recent = sel_end[:, None] - sel_count[:, None] + i
-    return torch.where(i < sinks, first, recent).clamp_min(0)
+    return torch.where(i < sinks, i, recent).clamp_min(0)
 
 
 def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float("-inf")) -> torch.Tensor:
