@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import VegasConfig
-from .ops import backend, reference
+from .ops import backend as backends, eager, reference
 from .selection_state import SelectionState
 from .step_plan import StepPlan
 
@@ -35,12 +35,12 @@ class VegasLayer(CacheLayerMixin):
     is_compileable = True
     is_croppable = True
 
-    def __init__(self, plan: StepPlan, is_sliding: bool, heads_first: bool, kernel_writes: bool):
+    def __init__(self, plan: StepPlan, is_sliding: bool, heads_first: bool, ops):
         super().__init__()
         self.plan = plan
         self.is_sliding = is_sliding
         self.heads_first = heads_first  # storage order of the CPU path (`ops.eager`)
-        self.kernel_writes = kernel_writes  # Triton backend: decode-sized forwards write with one kernel
+        self.ops = ops  # the cache's ops (`VegasCache.ops`): the kernels write decode-sized forwards in one launch
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, head_dim = key_states.shape
@@ -65,9 +65,8 @@ class VegasLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         # (B, T) slots; pads point at the scratch slot. Decode-sized forwards write with one kernel for K and V;
         # a prefill (once per generation) keeps the two index_put kernels.
-        kernel = self.kernel_writes and key_states.shape[2] <= KERNEL_WRITE_TOKENS
-        write = backend.kernels().write_kv if kernel else reference.write_kv
-        write(self.keys, self.values, key_states, value_states, self.plan.write_slots)
+        ops = self.ops if key_states.shape[2] <= KERNEL_WRITE_TOKENS else reference
+        ops.write_kv(self.keys, self.values, key_states, value_states, self.plan.write_slots)
         # Transformers' documented layout, `(batch, kv_heads, slots, head_dim)`, as a view of the storage: models that
         # work on the keys or values between `update` and attention (DiffLlama splits the value heads) see what
         # they expect, and the "vegas" attention turns the view back without a copy.
@@ -117,11 +116,15 @@ class VegasCache(Cache):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.backend = backend
         self.eager_ops = uses_eager_ops(backend, self.device)
+        # The ops every forward runs (one signature for all, `hf_vegas.ops.backend`): the kernels, or the plain-PyTorch
+        # ops that also run what the kernels do not take (`torch_ops`: forwards too wide for their tiles).
+        self.torch_ops = eager if self.eager_ops else reference
+        self.ops = backends.kernels() if self.backend == "triton" else self.torch_ops
         # Positions this generation reaches: a sliding window at least as long is full attention (`layer_types`).
         self.reach = reach if reach is not None else capacity
         self.plan = StepPlan(batch_size, capacity, self.device)
         types = layer_types(text_config, self.reach)
-        super().__init__(layers=[VegasLayer(self.plan, t == "sliding_attention", self.eager_ops, backend == "triton")
+        super().__init__(layers=[VegasLayer(self.plan, t == "sliding_attention", self.eager_ops, self.ops)
                                  for t in types])
         self.capacity = capacity
         self.vegas_config = vegas_config
@@ -137,7 +140,6 @@ class VegasCache(Cache):
             raise RuntimeError("A draft forward needs a selection: run a prefill or verify forward first.")
         self.plan.begin(mode, left_pad, verify_end)
 
-    @torch.compiler.disable  # host-side layout logic at layer 0: compiled steps (`vegas_compile`) call it eagerly
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self.begin_layer(layer_idx, key_states.shape[2])
         return self.layers[layer_idx].update(key_states, value_states)
@@ -190,8 +192,8 @@ class VegasCache(Cache):
 
 
 def uses_eager_ops(backend: str, device: torch.device) -> bool:
-    """Whether attention runs `ops.eager` (the CPU path: reads lengths on the host, gathers what a draft reads) rather
-    than `ops.reference` (shape-static, graph-safe) or the Triton kernels."""
+    """Whether the plain-PyTorch ops are `ops.eager` (the CPU path: reads lengths on the host, gathers what a draft
+    reads) rather than `ops.reference` (shape-static, graph-safe)."""
     return backend == "torch" and device.type == "cpu"
 
 

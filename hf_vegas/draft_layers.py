@@ -143,12 +143,12 @@ def _applies(parts: _Parts, cache, hidden_states: torch.Tensor, args: tuple, kwa
             and not torch.is_autocast_enabled(hidden_states.device.type))
 
 
-@torch.compiler.disable  # Triton launches on the cache's buffers: a compiled step calls it eagerly (graphs capture it)
 def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
-    kernels = backend.kernels()
+    kernels = cache.ops  # the Triton backend's: fused layers run on no other
     batch, tokens, hidden = hidden_states.shape
     x = hidden_states.reshape(batch * tokens, hidden)
-    qkv = kernels.grouped_linear(kernels.rms_norm(x, parts.norm_in, parts.eps_in), parts.qkv, parts.qkv_bias)
+    bias = parts.qkv_bias or (None, None, None)
+    qkv = kernels.qkv_linear(kernels.rms_norm(x, parts.norm_in, parts.eps_in), *parts.qkv, *bias)
     cache.begin_layer(parts.layer_idx, tokens)
     store = cache.layers[parts.layer_idx]
     cos, sin = (t.contiguous() for t in position_embeddings)
@@ -162,7 +162,8 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
     )
     # The layer's input belongs to the caller: the first residual sum is a new tensor, the second adds in place.
     x = torch.addmm(x, attn.reshape(batch * tokens, -1), parts.o_weight.t())
-    gated = kernels.gated_linear(kernels.rms_norm(x, parts.norm_post, parts.eps_post), parts.gate, parts.up, parts.act)
+    gated = kernels.gated_linear_op(kernels.rms_norm(x, parts.norm_post, parts.eps_post), parts.gate, parts.up,
+                                    parts.act)
     return x.addmm_(gated, parts.down.t()).view(batch, tokens, hidden)
 
 

@@ -83,9 +83,11 @@ class StepGraphs:
     A step is a function of tensors that returns a tensor or a tuple of them: a single forward (verify, dense
     decode), the gamma forwards of a draft with their token choices, or the acceptance of a verification.
     With `compile`, each model forward inside a step is `torch.compile`d before the capture (`compiling` tells the
-    step when; the cache update and the attention stay eager, see `torch.compiler.disable` on them): inductor fuses
-    the norms, rotary embedding, activations and residual adds of every layer, which otherwise cost one small kernel
-    each (about 1 200 per SmolLM2 forward).
+    step when), whole: the cache update, the attention and the selection are traced too, their kernels as custom
+    ops (`hf_vegas_kernels.ops`). Inductor fuses the norms, rotary embedding, activations and residual adds of every
+    layer, which otherwise cost one small kernel each (about 1 200 per SmolLM2 forward). A step kind compiles once:
+    the forward holds no graph break, so no layer recompiles it; a generation compiles its draft, verification
+    (per gamma) and dense forwards, within dynamo's default recompile limit.
 
     What a graph reads must outlive it: the pooled cache, the model's weights and the step's static inputs. Anything
     else a step bakes in (a processor's temperature, a generation's length budget) must be in its key or an input.
@@ -141,8 +143,7 @@ class StepGraphs:
     def _compiling(self):
         self.compiling = True
         try:
-            with _dynamo_settings():
-                yield
+            yield
         finally:
             self.compiling = False
 
@@ -181,16 +182,6 @@ def _release_the_random_generator() -> None:
     except Exception as error:  # noqa: BLE001  (the steps still run eagerly; only random ops would be refused)
         _log_once(logging.WARNING, f"hf_vegas could not reset CUDA's random generator after the failed capture "
                   f"({type(error).__name__}: {error}); random ops of this process may raise")
-
-
-def _dynamo_settings():
-    """Dynamo limits while a step compiles or is captured (a context manager; replays never enter dynamo).
-
-    Every layer's attention passes its own `layer_idx` to the (eager) cache update, so dynamo compiles that frame
-    once per layer, per step shape and per batch: past its default limit (8) it would run the other layers uncompiled.
-    Each compilation happens once, so a high limit only bounds what a process can accumulate.
-    """
-    return torch._dynamo.config.patch(recompile_limit=4096, accumulated_recompile_limit=16384)
 
 
 @dataclasses.dataclass

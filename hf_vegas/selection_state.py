@@ -60,8 +60,8 @@ class SelectionState:
         self._layer_scores: torch.Tensor | None = None
         self.sparse_layers = sorted(windows)
         self.sparse_layer_index = torch.tensor(self.sparse_layers, **long)
-        # Kernel path: sparse layers whose scores this forward emitted, selected together at the last sparse layer.
-        self.emitted_layers: list[int] = []
+        # Sparse layers whose scores wait in `layer_scores`: all select together at the forward's last sparse layer.
+        self.scored_layers: list[int] = []
         # Layers that already chose their selection in this forward (a layer may attend twice: DiffLlama).
         self.selected_layers: set[int] = set()
 
@@ -73,7 +73,7 @@ class SelectionState:
         """At layer 0, after `plan.lay_out`: the candidates, budget and scored rows of this forward, if it selects.
         Verification rates the prefix plus the pending token's slot (the slots every verify row sees); prefill rates
         the whole prompt, from its last row."""
-        self.emitted_layers = []
+        self.scored_layers = []
         self.selected_layers = set()
         self.score_rows = None
         if not self.selecting(plan.mode):
@@ -102,7 +102,7 @@ class SelectionState:
         return self.sel_idx
 
     def layer_scores(self, num_slots: int) -> torch.Tensor:
-        """`(L, B, num_slots)` fp32 scratch where a verification leaves each sparse layer's scores (kernel path)."""
+        """`(L, B, num_slots)` fp32 scratch where a prefill or verification leaves each sparse layer's scores."""
         if self._layer_scores is None:
             layers, batch, _ = self.sel_idx.shape
             self._layer_scores = torch.empty(layers, batch, num_slots, dtype=torch.float32, device=self.device)
@@ -120,7 +120,7 @@ class SelectionState:
         self.has_selection = False
         self.rejection.zero_()
         self.row_scores.clear()
-        self.emitted_layers = []
+        self.scored_layers = []
 
 
 def budget_tensor(candidates: torch.Tensor, config: VegasConfig, rejection: torch.Tensor | None = None

@@ -133,7 +133,7 @@ def test_only_draft_steps_use_the_fused_kernels(monkeypatch):
 
     modes = []
     original = kernels.qkv_linear
-    monkeypatch.setattr(kernels, "qkv_linear", lambda *args: modes.append(_ACTIVE.get().plan.mode) or original(*args))
+    monkeypatch.setattr(kernels, "qkv_linear", lambda *args: modes.append(_ACTIVE.cache.plan.mode) or original(*args))
     model, (ids, mask) = tiny_model("qwen3").to(DEVICE), (t.to(DEVICE) for t in ragged_batch([30, 21]))
     common = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, custom_generate="vegas",
                   vegas_backend="triton", vegas_cuda_graphs=False)

@@ -1,4 +1,10 @@
-"""Which ops run the attention: the plain-PyTorch reference or the Triton kernels (`hf_vegas_kernels`)."""
+"""Which ops run the attention: the plain-PyTorch reference, the CPU path, or the Triton kernels (`hf_vegas_kernels`).
+
+All three are modules with the same ops under the same signatures (`reference` defines them): `dense_attention`,
+`sparse_draft_attention`, `verify_attention` (dense attention that emits the scored rows' logits),
+`finalize_scores` (emitted logits to Collect-2-Query scores), `select_topk` and `write_kv`. Callers pick a module
+once (`hf_vegas.cache.VegasCache.ops`) and never branch on which it is.
+"""
 
 from __future__ import annotations
 

@@ -80,34 +80,55 @@ def _all_or_mask(visible: torch.Tensor) -> torch.Tensor | None:
     return None if bool(visible.all()) else visible
 
 
-def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling: float, window=None, softcap=None, sinks=None):
+def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling: float, window=None, softcap=None, sinks=None,
+                    list_len=None):
     """`reference.dense_attention` over slots `[0, max(kv_len))` only (a shorter row's slots past its length, and
     those a window leaves, are read and masked out)."""
+    alive, kv_len = reference._finished_rows(kv_len, q_slot)
     n = int(kv_len.max())
     visible = _all_or_mask(reference._visible(q_slot, kv_len, n, window))
-    return _attend(q, _heads_first(k_cache, n), _heads_first(v_cache, n), visible, scaling, softcap, sinks)
+    out = _attend(q, _heads_first(k_cache, n), _heads_first(v_cache, n), visible, scaling, softcap, sinks)
+    return _zero_finished(out, alive)
+
+
+def _zero_finished(out: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+    return out if bool(alive.all()) else reference._zero_finished(out, alive).contiguous()
+
+
+def verify_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, score: str, softcap=None, sinks=None,
+                     window=None, list_len=None):
+    """`reference.verify_attention` over slots `[0, max(kv_len))`; `emitted` is zero past them."""
+    out = dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, window, softcap, sinks)
+    num_slots, n = k_cache.shape[1], int(reference._finished_rows(kv_len, q_slot)[1].max())
+    logits = _grouped_logits(q, _heads_first(k_cache, n), scaling, softcap)
+    emitted, lse = reference.emit_scores(logits, q_slot, kv_len, score_rows, score, softcap, sinks, window,
+                                         k_cache.shape[2])
+    return out, torch.nn.functional.pad(emitted, (0, num_slots - n)), lse
 
 
 def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None,
-                           sinks=None, window=None):
+                           sinks=None, window=None, list_len=None, split_len=None):
     """`reference.sparse_draft_attention`, reading only the selected slots and the tail, gathered per row."""
+    alive, kv_len = reference._finished_rows(kv_len, q_slot)
     if q.shape[0] == 1 and q.shape[2] == 1:
         slots = _one_query_list(q_slot, kv_len, sel_idx, sel_count, sel_end, window)
         if slots is not None:
             n = int(kv_len[0])
             k, v = _gather_slots(k_cache, slots, n), _gather_slots(v_cache, slots, n)
-            return _attend(q, k, v, None, scaling, softcap, sinks)
+            return _zero_finished(_attend(q, k, v, None, scaling, softcap, sinks), alive)
     n = int(kv_len.max())
     visible = reference.draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, n, window)  # (B, T, n)
     batch, tokens, _ = visible.shape
     seen = visible.any(dim=1)  # (B, n): the slots some query of the row attends to
     counts = seen.sum(dim=1)
-    width = int(counts.max())
+    width = max(int(counts.max()), 1)
     # Each row's seen slots in increasing order, left-aligned in a (B, width) list. A shorter row pads with its own
-    # first slot (masked out below): the op reads no slot the row does not see.
+    # first slot (masked out below): the op reads no slot the row does not see. (A row that sees nothing, which
+    # only a finished row's may, reads slot 0; its output is zeroed.)
     rows, cols = seen.nonzero(as_tuple=True)
     starts = counts.cumsum(0) - counts
-    slots = cols[starts][:, None].repeat(1, width)
+    first = cols[starts.clamp_max(cols.numel() - 1)] if cols.numel() else starts
+    slots = torch.where(counts > 0, first, 0)[:, None].repeat(1, width)
     slots[rows, torch.arange(rows.numel(), device=cols.device) - starts[rows]] = cols
     in_list = torch.arange(width, device=cols.device)[None, :] < counts[:, None]
     if tokens == 1:  # the row's one query sees exactly its listed slots
@@ -115,7 +136,7 @@ def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_cou
     else:
         listed = visible.gather(2, slots[:, None, :].expand(batch, tokens, width)) & in_list[:, None, :]
     k, v = _gather_slots(k_cache, slots, n), _gather_slots(v_cache, slots, n)
-    return _attend(q, k, v, _all_or_mask(listed), scaling, softcap, sinks)
+    return _zero_finished(_attend(q, k, v, _all_or_mask(listed), scaling, softcap, sinks), alive)
 
 
 def _one_query_list(q_slot, kv_len, sel_idx, sel_count, sel_end, window=None) -> torch.Tensor | None:
@@ -165,3 +186,7 @@ def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: s
         values = logits.masked_fill(~visible, 0.0)
     mean = values.mean(dim=1).masked_fill(~reference.candidate_slots(cand_start, cand_end, n)[:, None], float("-inf"))
     return torch.nn.functional.pad(mean, (0, num_slots - n), value=float("-inf"))
+
+
+# The rest of the contract reads only what it is given: the reference's ops are the CPU path's.
+finalize_scores, select_topk, write_kv = reference.finalize_scores, reference.select_topk, reference.write_kv

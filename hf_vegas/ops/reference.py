@@ -87,17 +87,92 @@ def masked_attention(q, k_cache, v_cache, visible, scaling: float, softcap: floa
     return out.transpose(1, 2)
 
 
-def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling: float, window=None, softcap=None, sinks=None):
-    """Full causal attention over each row's cache (verification, prefill, sliding-window layers)."""
+def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling: float, window=None, softcap=None, sinks=None,
+                    list_len=None):
+    """Full causal attention over each row's cache (verification, prefill, sliding-window layers).
+
+    `list_len` (every attention op takes it, with `split_len` for drafts) is a host-side hint of how many slots a row
+    reads, which only the kernels' work split uses: it never changes a result.
+    """
+    alive, kv_len = _finished_rows(kv_len, q_slot)
     visible = _visible(q_slot, kv_len, k_cache.shape[1], window)
-    return masked_attention(q, k_cache, v_cache, visible, scaling, softcap, sinks)
+    return _zero_finished(masked_attention(q, k_cache, v_cache, visible, scaling, softcap, sinks), alive)
 
 
 def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None,
-                           sinks=None, window=None):
+                           sinks=None, window=None, list_len=None, split_len=None):
     """Draft attention: the selected candidate slots plus the tail `[sel_end, kv_len)` (inside `window`, if any)."""
+    alive, kv_len = _finished_rows(kv_len, q_slot)
     visible = draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, k_cache.shape[1], window)
-    return masked_attention(q, k_cache, v_cache, visible, scaling, softcap, sinks)
+    return _zero_finished(masked_attention(q, k_cache, v_cache, visible, scaling, softcap, sinks), alive)
+
+
+def _finished_rows(kv_len: torch.Tensor, q_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row of length 0 is finished: it reads nothing and its output is zeros (the kernels skip it). The plain ops
+    compute it over its slots up to its queries, so that no softmax is empty, and then zero it (`_zero_finished`)."""
+    alive = kv_len > 0
+    return alive, torch.where(alive, kv_len, q_slot.max(dim=1).values + 1)
+
+
+def _zero_finished(out: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+    return torch.where(alive[:, None, None, None], out, 0.0).to(out.dtype)
+
+
+def verify_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, score: str, softcap=None, sinks=None,
+                     window=None, list_len=None):
+    """Dense attention that also emits the logits of the query rows `score_rows` `(R,)` for the slots it reads.
+
+    Returns `(out (B, T, Hq, Dv), emitted (B, R, heads, S), lse (B, T, Hq))`, the input of `finalize_scores`:
+    `score="logits"` without a soft cap emits per-KV-head group sums (heads = Hkv: logits are linear in the query);
+    softmax weights, and soft-capped logits, need every query head's own logits (heads = Hq). `lse` is each query's
+    log-sum-exp over the slots it sees, sinks included. What `emitted` holds for slots the op does not read is
+    unspecified (the kernels read from a window's start on); `finalize_scores` reads the candidates only.
+    """
+    out = dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, window, softcap, sinks)
+    logits = _logits(q, k_cache, scaling, softcap)
+    return (out, *emit_scores(logits, q_slot, kv_len, score_rows, score, softcap, sinks, window, k_cache.shape[2]))
+
+
+def emit_scores(logits, q_slot, kv_len, score_rows, score: str, softcap, sinks, window, kv_heads: int):
+    """`verify_attention`'s `(emitted, lse)` from the forward's `(B, Hq, T, N)` fp32 logits over slots `[0, N)`."""
+    if score not in ("logits", "weights"):
+        raise ValueError(f"score must be 'logits' or 'weights', got {score!r}")
+    visible = _visible(q_slot, _finished_rows(kv_len, q_slot)[1], logits.shape[-1], window)[:, None]
+    seen = logits.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        seen = torch.cat([seen, sinks.float().reshape(1, -1, 1, 1).expand(*seen.shape[:3], 1)], dim=-1)
+    lse = torch.logsumexp(seen, dim=-1).transpose(1, 2)  # (B, T, Hq)
+    rows = logits[:, :, score_rows].transpose(1, 2)  # (B, R, Hq, N)
+    if score == "logits" and softcap is None:
+        batch, num_rows, heads, num_slots = rows.shape
+        rows = rows.reshape(batch, num_rows, kv_heads, heads // kv_heads, num_slots).sum(dim=3)
+    return rows, lse
+
+
+def finalize_scores(emitted, lse, score_rows, cand_end, q_heads: int, weights: bool, mean_rows: bool, out=None,
+                    cand_start=None, window=None, q_slot=None):
+    """Collect-2-Query scores from `verify_attention`'s `emitted` and `lse`: `(B, 1 if mean_rows else R, S)` fp32,
+    head-averaged (softmax weights `exp(logit - lse)` if `weights`, else logits), `-inf` outside the candidates
+    `[cand_start, cand_end)`; written into `out` if given. With a sliding `window` (and the forward's `q_slot`
+    `(B, T)`), a candidate a score row's window has left scores 0 for that row. Only candidate slots of `emitted` are
+    read. Equals `row_scores` (then the mean over rows)."""
+    num_slots = emitted.shape[-1]
+    candidate = candidate_slots(cand_start, cand_end, num_slots)  # (B, S)
+    seen = candidate[:, None, None, :]
+    if window is not None:
+        if q_slot is None:
+            raise ValueError("finalize_scores: a window needs the forward's q_slot")
+        slots = torch.arange(num_slots, device=emitted.device)
+        seen = seen & (slots > q_slot[:, score_rows, None] - window)[:, :, None, :]
+    values = emitted.float()
+    if weights:
+        values = torch.exp(values - lse[:, score_rows, :, None])
+    row = torch.where(seen, values, 0.0).sum(dim=2) / q_heads  # (B, R, S)
+    result = (row.mean(dim=1, keepdim=True) if mean_rows else row).masked_fill(~candidate[:, None], float("-inf"))
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
 def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: str, softcap=None, sinks=None,
@@ -134,9 +209,27 @@ def candidate_slots(cand_start, cand_end, num_slots: int) -> torch.Tensor:
     return inside if cand_start is None else inside & (slots >= cand_start[:, None])
 
 
-def select_topk(scores: torch.Tensor, k_max: int) -> torch.Tensor:
-    """Slots of the `k_max` highest `scores` `(B, S)`, best first. Row `b` uses the first `sel_count[b]`."""
-    return torch.topk(scores, k_max, dim=-1, sorted=True).indices
+def select_topk(scores, count, cand_end, out, layers=None):
+    """Write into `out[..., b, :count[b]]` the slots of the `count[b]` highest `scores[..., b, :cand_end[b]]`,
+    ascending; ties go to the lower slot. `out[..., b, count[b]:]` is left as it was. Returns `out`.
+
+    `scores` `(B, S)` with `out` `(B, K)`, or `scores` `(L, B, S)` with `out` `(L, B, K)` and `layers` the layer indices
+    to select for (default: all); `count` `(B,)`, or `(L, B)` for a budget per layer (at most `cand_end`, `K`).
+    """
+    scores3, out3 = (scores[None], out[None]) if scores.dim() == 2 else (scores, out)
+    if count.dim() not in (1, 2) or count.shape[-1] != scores3.shape[1]:
+        raise ValueError(f"select_topk: count must be (B,) or (L, B), got {tuple(count.shape)}")
+    if layers is None:
+        layers = torch.arange(scores3.shape[0], device=scores.device)
+    counts = (count if count.dim() == 2 else count[None].expand(scores3.shape[0], -1))[layers][:, :, None]
+    slots = torch.arange(scores3.shape[-1], device=scores.device)
+    ranked = scores3[layers].float().masked_fill(slots >= cand_end[:, None], float("-inf"))
+    best = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :out3.shape[-1]]
+    position = torch.arange(best.shape[-1], device=scores.device)
+    kept = position < counts
+    ascending = torch.sort(best.masked_fill(~kept, scores3.shape[-1]), dim=-1).values  # the kept slots first
+    out3[layers] = torch.where(kept, ascending, out3[layers])
+    return out
 
 
 def streaming_select(sel_count: torch.Tensor, sel_end: torch.Tensor, k_max: int, sink: int) -> torch.Tensor:

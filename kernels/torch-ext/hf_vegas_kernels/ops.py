@@ -1,17 +1,47 @@
-"""The kernels behind the signatures of `hf_vegas.ops.reference` (plus the host-side list-length hint). `sinks`
-`(Hq,)`: gpt-oss' per-head sink logits, in every softmax's denominator."""
+"""The ops of the contract `hf_vegas.ops.reference` defines, on the Triton kernels: same names, same signatures, same
+results (`sinks` `(Hq,)`: gpt-oss' per-head sink logits, in every softmax's denominator).
+
+Each is a `torch.library` custom op with a fake (shapes only), so `torch.compile` (`vegas_compile`) traces a step's
+forward through attention, the cache write and the selection as single nodes instead of breaking its graph at each:
+inductor then fuses what lies between them. Ops that write in place (the cache, the selection, a scores buffer)
+declare it (`mutates_args`) and return nothing; the Python function around them returns the buffer as the reference
+does.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from . import _launch, cache_write, norm, rotary, scores, select
 from .attention import EMIT_GROUP_SUM, EMIT_PER_HEAD, attend
 
+Tensor = torch.Tensor
 
+
+def _dense_start(q_slot: Tensor, window: int | None) -> Tensor:
+    """First slot any of a row's queries can see: 0, or the start of the sliding window."""
+    if window is None:
+        return torch.zeros(q_slot.shape[0], dtype=torch.long, device=q_slot.device)
+    return (q_slot.min(dim=1).values - window + 1).clamp_min(0)
+
+
+def _dense_list_len(q: Tensor, k_cache: Tensor, window: int | None, list_len: int | None) -> int:
+    if list_len is not None:
+        return list_len
+    return k_cache.shape[1] if window is None else window + q.shape[2]
+
+
+def _out_like(q: Tensor, v_cache: Tensor) -> Tensor:
+    """The fake of an attention output: `(B, T, Hq, Dv)` from `q` `(B, Hq, T, D)`."""
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], v_cache.shape[-1])
+
+
+@torch.library.custom_op("hf_vegas::sparse_draft_attention", mutates_args=())
 def sparse_draft_attention(
-    q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None, list_len=None, sinks=None,
-    split_len=None, window=None,
-):
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, q_slot: Tensor, kv_len: Tensor, sel_idx: Tensor, sel_count: Tensor,
+    sel_end: Tensor, scaling: float, softcap: float | None = None, sinks: Tensor | None = None,
+    window: int | None = None, list_len: int | None = None, split_len: int | None = None,
+) -> Tensor:
     """Draft attention over `sel_idx[b, :sel_count[b]]` plus the tail `[sel_end[b], kv_len[b])`, each query inside
     its sliding `window` if one is given. `(B, T, Hq, Dv)`.
 
@@ -27,27 +57,41 @@ def sparse_draft_attention(
     return out
 
 
-def _dense_start(q_slot: torch.Tensor, window: int | None) -> torch.Tensor:
-    """First slot any of a row's queries can see: 0, or the start of the sliding window."""
-    if window is None:
-        return torch.zeros(q_slot.shape[0], dtype=torch.long, device=q_slot.device)
-    return (q_slot.min(dim=1).values - window + 1).clamp_min(0)
+@sparse_draft_attention.register_fake
+def _(q, k_cache, v_cache, *args, **kwargs):
+    return _out_like(q, v_cache)
 
 
-def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, window=None, softcap=None, list_len=None,
-                    sinks=None):
+@torch.library.custom_op("hf_vegas::dense_attention", mutates_args=())
+def dense_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, q_slot: Tensor, kv_len: Tensor, scaling: float,
+    window: int | None = None, softcap: float | None = None, sinks: Tensor | None = None, list_len: int | None = None,
+) -> Tensor:
     """Full causal (optionally windowed) attention over each row's cache: the dense decode path. `(B, T, Hq, Dv)`."""
-    if list_len is None:
-        list_len = k_cache.shape[1] if window is None else window + q.shape[2]
     out, _, _ = attend(
-        q, k_cache, v_cache, q_slot, kv_len, scaling, tail_start=_dense_start(q_slot, window), list_len=list_len,
-        softcap=softcap, window=window, sinks=sinks,
+        q, k_cache, v_cache, q_slot, kv_len, scaling, tail_start=_dense_start(q_slot, window),
+        list_len=_dense_list_len(q, k_cache, window, list_len), softcap=softcap, window=window, sinks=sinks,
     )
     return out
 
 
-def verify_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, score: str, softcap=None,
-                     list_len=None, sinks=None, window=None):
+@dense_attention.register_fake
+def _(q, k_cache, v_cache, *args, **kwargs):
+    return _out_like(q, v_cache)
+
+
+def _emit_kind(score: str, softcap: float | None) -> int:
+    if score not in ("logits", "weights"):
+        raise ValueError(f"score must be 'logits' or 'weights', got {score!r}")
+    return EMIT_GROUP_SUM if score == "logits" and softcap is None else EMIT_PER_HEAD
+
+
+@torch.library.custom_op("hf_vegas::verify_attention", mutates_args=())
+def verify_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, q_slot: Tensor, kv_len: Tensor, scaling: float, score_rows: Tensor,
+    score: str, softcap: float | None = None, sinks: Tensor | None = None, window: int | None = None,
+    list_len: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Dense (optionally windowed) attention that also emits the logits of the query rows `score_rows` for every slot
     it reads (a windowed layer reads, and emits, from the first slot any of the forward's queries sees).
 
@@ -56,15 +100,98 @@ def verify_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, s
     and soft-capped logits, need every query head's own logits (heads = Hq). With `sinks` the log-sum-exp includes
     them, so the weights are the layer's own attention weights.
     """
-    if score not in ("logits", "weights"):
-        raise ValueError(f"score must be 'logits' or 'weights', got {score!r}")
-    emit = EMIT_GROUP_SUM if score == "logits" and softcap is None else EMIT_PER_HEAD
     out, lse, emitted = attend(
         q, k_cache, v_cache, q_slot, kv_len, scaling, tail_start=_dense_start(q_slot, window),
-        list_len=list_len if list_len is not None else (k_cache.shape[1] if window is None else window + q.shape[2]),
-        softcap=softcap, score_rows=score_rows, emit=emit, sinks=sinks, window=window,
+        list_len=_dense_list_len(q, k_cache, window, list_len), softcap=softcap, score_rows=score_rows,
+        emit=_emit_kind(score, softcap), sinks=sinks, window=window,
     )
     return out, emitted, lse
 
 
-__all__ = ["dense_attention", "sparse_draft_attention", "verify_attention"]
+@verify_attention.register_fake
+def _(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, score, softcap=None, sinks=None, window=None,
+      list_len=None):
+    batch, q_heads, tokens, _ = q.shape
+    heads = k_cache.shape[2] if _emit_kind(score, softcap) == EMIT_GROUP_SUM else q_heads
+    f32 = dict(dtype=torch.float32)
+    return (_out_like(q, v_cache), q.new_empty(batch, score_rows.shape[0], heads, k_cache.shape[1], **f32),
+            q.new_empty(batch, tokens, q_heads, **f32))
+
+
+@torch.library.custom_op("hf_vegas::finalize_scores", mutates_args=("out",))
+def _finalize_scores(
+    emitted: Tensor, lse: Tensor, score_rows: Tensor, cand_end: Tensor, q_heads: int, weights: bool, mean_rows: bool,
+    out: Tensor, cand_start: Tensor | None = None, window: int | None = None, q_slot: Tensor | None = None,
+) -> None:
+    scores.finalize_scores(emitted, lse, score_rows, cand_end, q_heads, weights, mean_rows, out=out,
+                           cand_start=cand_start, window=window, q_slot=q_slot)
+
+
+@_finalize_scores.register_fake
+def _(*args, **kwargs):
+    return None
+
+
+def finalize_scores(emitted, lse, score_rows, cand_end, q_heads: int, weights: bool, mean_rows: bool, out=None,
+                    cand_start=None, window=None, q_slot=None):
+    """Collect-2-Query scores `(B, 1 if mean_rows else R, S)` from `verify_attention`'s output (see
+    `hf_vegas.ops.reference.finalize_scores`), written into `out` if given. Returns them."""
+    if out is None:
+        batch, num_rows, _, num_slots = emitted.shape
+        out = _launch.empty(batch, 1 if mean_rows else num_rows, num_slots, dtype=torch.float32, device=emitted.device)
+    _finalize_scores(emitted, lse, score_rows, cand_end, q_heads, weights, mean_rows, out, cand_start, window, q_slot)
+    return out
+
+
+@torch.library.custom_op("hf_vegas::select_topk", mutates_args=("out",))
+def _select_topk(scores_: Tensor, count: Tensor, cand_end: Tensor, out: Tensor, layers: Tensor | None = None) -> None:
+    select.select_topk(scores_, count, cand_end, out, layers)
+
+
+@_select_topk.register_fake
+def _(*args, **kwargs):
+    return None
+
+
+def select_topk(scores_, count, cand_end, out, layers=None):
+    """`hf_vegas.ops.reference.select_topk` (top `count[b]` slots below `cand_end[b]`, ascending, into `out`)."""
+    _select_topk(scores_, count, cand_end, out, layers)
+    return out
+
+
+@torch.library.custom_op("hf_vegas::write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv(k_cache: Tensor, v_cache: Tensor, key: Tensor, value: Tensor, slots: Tensor) -> None:
+    """`k_cache[b, slots[b, t]] = key[b, :, t]` (and values), in place, one launch."""
+    cache_write.write_kv(k_cache, v_cache, key, value, slots)
+
+
+@write_kv.register_fake
+def _(*args, **kwargs):
+    return None
+
+
+@torch.library.custom_op("hf_vegas::rope_write_kv", mutates_args=("k_cache", "v_cache"))
+def rope_write_kv(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+                  q_heads: int, kv_heads: int, head_dim: int) -> Tensor:
+    """Rotate one forward's fused projections, write the keys and values at `slots`; returns the rotated queries."""
+    return rotary.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, head_dim)
+
+
+@rope_write_kv.register_fake
+def _(qkv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, head_dim):
+    return qkv.new_empty(qkv.shape[0], qkv.shape[1], q_heads, head_dim)
+
+
+@torch.library.custom_op("hf_vegas::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Llama's RMSNorm in one launch."""
+    return norm.rms_norm(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape)
+
+
+__all__ = ["dense_attention", "finalize_scores", "rms_norm", "rope_write_kv", "select_topk", "sparse_draft_attention",
+           "verify_attention", "write_kv"]
