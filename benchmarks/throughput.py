@@ -44,7 +44,7 @@ METHODS = ("hf", "dense", "vegas", "streaming")
 DECODINGS = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=0)}
 
 
-def run_hf(model, ids, mask, new_tokens, decoding) -> dict:
+def run_hf(model, ids, mask, new_tokens, decoding) -> tuple[dict, torch.Tensor]:
     common = dict(attention_mask=mask, max_new_tokens=new_tokens, cache_implementation="static", **DECODINGS[decoding])
     model.generate(ids, **common)  # compiles the decode step for this shape
     clock = FirstTokenClock()
@@ -58,7 +58,7 @@ def run_hf(model, ids, mask, new_tokens, decoding) -> dict:
     ran = dict(attn_implementation=model.config._attn_implementation,
                compiled=getattr(model, "_compiled_call", None) is not None)
     return dict(decode_seconds=seconds, step_ms=seconds / steps * 1e3, new_tokens=out.shape[1] - ids.shape[1],
-                hf=ran, **_peak_memory())
+                hf=ran, **_peak_memory()), out
 
 
 def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfig) -> dict:
@@ -97,6 +97,19 @@ def row_acceptance(accepted: torch.Tensor, mask: torch.Tensor, budget: int) -> d
                 slowest=[dict(row=r, tokens_per_iteration=float(rate[r]), iterations=int(active[r].sum()),
                               prompt_tokens=int(prompt[r])) for r in slowest],
                 prompt_tokens_range=[int(prompt.min()), int(prompt.max())])
+
+
+def fp32_greedy(model, ids, mask, new_tokens) -> torch.Tensor:
+    """Vanilla greedy `generate` with the model in fp32 (HF's default cache and attention): the reference bf16 methods'
+    drift is measured from. The model goes back to its dtype after (bf16 to fp32 and back is exact)."""
+    dtype = model.dtype
+    hf_vegas.release_graphs()
+    model.float()
+    try:
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    finally:
+        model.to(dtype)
+        torch.cuda.empty_cache()
 
 
 def agreement(sequences: torch.Tensor, reference: torch.Tensor, prompt_width: int) -> dict:
@@ -191,6 +204,8 @@ def main() -> None:
     parser.add_argument("--project-from", type=Path, help="JSONL with real-model records whose tokens/iteration "
                         "project the random-weight shapes' throughput (default: this run's records)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.jsonl"))
+    parser.add_argument("--fp32-reference", action="store_true",
+                        help="also measure each greedy method's first divergence from vanilla fp32 greedy tokens")
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--tuning", nargs="+", default=[], metavar="KIND:KEY=VALUE",
@@ -224,6 +239,7 @@ def main() -> None:
         texts = load_texts(args.data_files, args.text_column)
     records, loaded = [], (None, None, None)
     dense_tokens = {}  # greedy tokens of our dense path per workload, for the agreement of the speculative methods
+    fp32_tokens = {}  # vanilla fp32 greedy tokens per workload (`--fp32-reference`)
     earlier = []  # earlier real-model records, for the projections only (not re-written or re-printed)
     if args.project_from:
         earlier = [r for r in read_records(args.project_from) if r["real_weights"] and "error" not in r]
@@ -241,6 +257,8 @@ def main() -> None:
         ids, mask = workloads.prompts(workload, tokenizer, texts)
         new_tokens = args.max_new_tokens if workload.real_weights else args.shape_new_tokens
         config = vegas_config(method, args) if method != "hf" else None
+        if args.fp32_reference and decoding == "greedy" and workload.real_weights and str(workload) not in fp32_tokens:
+            fp32_tokens[str(workload)] = fp32_greedy(model, ids, mask, new_tokens)
         record = dict(base, sweep=args.sweep, model=workload.model, real_weights=workload.real_weights,
                       batch=workload.batch,
                       prompt_tokens=int(mask.sum(dim=1).max()), new_tokens=new_tokens, decoding=decoding,
@@ -248,15 +266,17 @@ def main() -> None:
         try:
             if method == "hf":
                 hf_vegas.release_graphs()  # give HF the memory our cache held
-                record.update(run_hf(model, ids, mask, new_tokens, decoding))
+                measured, sequences = run_hf(model, ids, mask, new_tokens, decoding)
             else:
                 measured, sequences = run_ours(model, ids, mask, new_tokens, decoding, config)
-                record.update(measured)
-                if decoding == "greedy" and method == "dense":
-                    dense_tokens[str(workload)] = sequences
-                elif decoding == "greedy" and str(workload) in dense_tokens:
-                    record["agreement_with_dense"] = agreement(sequences, dense_tokens[str(workload)], ids.shape[1])
-                del sequences
+            record.update(measured)
+            if decoding == "greedy" and method == "dense":
+                dense_tokens[str(workload)] = sequences
+            elif decoding == "greedy" and method != "hf" and str(workload) in dense_tokens:
+                record["agreement_with_dense"] = agreement(sequences, dense_tokens[str(workload)], ids.shape[1])
+            if decoding == "greedy" and str(workload) in fp32_tokens:
+                record["agreement_with_fp32"] = agreement(sequences, fp32_tokens[str(workload)], ids.shape[1])
+            del sequences
         except torch.OutOfMemoryError as error:
             record.update(error=f"OutOfMemoryError: {str(error).splitlines()[0]}")
             torch.cuda.empty_cache()
@@ -351,6 +371,12 @@ def print_table(records) -> None:
                   + ", ".join(f"#{s['row']} {s['tokens_per_iteration']:.2f} ({s['prompt_tokens']} prompt tokens)"
                               for s in slow))
     for r in records:
+        if "agreement_with_fp32" in r:
+            a = r["agreement_with_fp32"]
+            first = sorted(a["first_divergence"] + [a["compared_tokens"]] * a["identical_rows"])
+            print(f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['method']}: greedy tokens identical to vanilla "
+                  f"fp32 in {a['identical_rows']} of {a['rows']} rows; first divergence median "
+                  f"{first[len(first) // 2]}, p10 {first[len(first) // 10]} (of {a['compared_tokens']} new tokens)")
         if "agreement_with_dense" in r:
             a = r["agreement_with_dense"]
             print(f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['method']}: greedy tokens identical to dense in "
