@@ -99,16 +99,15 @@ def row_acceptance(accepted: torch.Tensor, mask: torch.Tensor, budget: int) -> d
                 prompt_tokens_range=[int(prompt.min()), int(prompt.max())])
 
 
-def fp32_greedy(model, ids, mask, new_tokens) -> torch.Tensor:
-    """Vanilla greedy `generate` with the model in fp32 (HF's default cache and attention): the reference bf16 methods'
-    drift is measured from. The model goes back to its dtype after (bf16 to fp32 and back is exact)."""
-    dtype = model.dtype
+def fp32_greedy(workload, ids, mask, new_tokens) -> torch.Tensor:
+    """Vanilla greedy `generate` with the workload's model loaded in fp32 (HF's default cache and attention): the
+    reference bf16 methods' drift is measured from."""
     hf_vegas.release_graphs()
-    model.float()
+    model, _ = workloads.load_model(workload.model, ids.shape[1] + new_tokens, torch.float32)
     try:
         return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
     finally:
-        model.to(dtype)
+        del model
         torch.cuda.empty_cache()
 
 
@@ -258,7 +257,7 @@ def main() -> None:
         new_tokens = args.max_new_tokens if workload.real_weights else args.shape_new_tokens
         config = vegas_config(method, args) if method != "hf" else None
         if args.fp32_reference and decoding == "greedy" and workload.real_weights and str(workload) not in fp32_tokens:
-            fp32_tokens[str(workload)] = fp32_greedy(model, ids, mask, new_tokens)
+            fp32_tokens[str(workload)] = fp32_greedy(workload, ids, mask, new_tokens)
         record = dict(base, sweep=args.sweep, model=workload.model, real_weights=workload.real_weights,
                       batch=workload.batch,
                       prompt_tokens=int(mask.sum(dim=1).max()), new_tokens=new_tokens, decoding=decoding,

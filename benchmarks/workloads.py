@@ -43,16 +43,16 @@ def parse_workload(text: str) -> Workload:
     return Workload(match.group(1), int(match.group(2)), int(match.group(3)))
 
 
-def load_model(name: str, max_positions: int):
-    """`(model, tokenizer or None)` on the GPU in bf16, EOS off so every row generates exactly the tokens asked."""
+def load_model(name: str, max_positions: int, dtype: torch.dtype = torch.bfloat16):
+    """`(model, tokenizer or None)` on the GPU in `dtype`, EOS off so every row generates exactly the tokens asked."""
     if name == "smollm2":
         from hf_vegas.real_models import load_smollm2
 
-        model, tokenizer = load_smollm2(torch.bfloat16, "cuda")
+        model, tokenizer = load_smollm2(dtype, "cuda")
     elif name == "smollm2-window2048":
         from hf_vegas.real_models import load_smollm2
 
-        model, tokenizer = load_smollm2(torch.bfloat16, "cuda")
+        model, tokenizer = load_smollm2(dtype, "cuda")
         model = with_sliding_window(model, 2048)
     else:
         model, tokenizer = _qwen3_8b_shape(max_positions), None
