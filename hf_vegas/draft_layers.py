@@ -6,12 +6,12 @@ sparse attention, the output projection, add + norm, gate/up, down, add). In dra
 exactly Llama's runs instead as eight calls, nine kernels:
 
     input RMSNorm                                           hf_vegas_kernels.rms_norm
-    q/k/v projection                                        hf_vegas_kernels.grouped_linear
+    q/k/v projection                                        hf_vegas_kernels.qkv_linear
     rotary embedding of q and k + cache write of k and v    hf_vegas_kernels.rope_write_kv
     sparse draft attention                                  hf_vegas_kernels.sparse_draft_attention
     residual + output projection                            torch.addmm (cuBLAS: a copy of the residual + the GEMM)
     post-attention RMSNorm                                  hf_vegas_kernels.rms_norm
-    gate/up projection + activation                         hf_vegas_kernels.gated_linear
+    gate/up projection + activation                         hf_vegas_kernels.gated_linear_op
     residual + down projection                              Tensor.addmm_ (in place: the GEMM alone)
 
 Drafts only decide how many tokens are accepted, never which (the verification, with the model's own layers, picks
@@ -22,7 +22,8 @@ Which layers: the decoder layer, its attention and its norms run exactly the cod
 output projection, a soft cap, q/k norms, another rotary convention, keeps its own forward), with plain `nn.Linear`
 projections small enough for the one-launch kernels (`fused_projections`), no hooks, and full attention in this
 generation (sliding-window layers keep their window). Everything else, and every prefill, verification and dense
-step, runs the model's own forward. Instance `forward` attributes are removed when the block exits.
+step, runs the model's own forward. Instance `forward` attributes are removed when the block exits. Every kernel is a
+`torch.library` custom op, so a compiled draft step (`vegas_compile`) traces the fused layer with the rest.
 """
 
 from __future__ import annotations

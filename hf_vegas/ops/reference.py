@@ -1,4 +1,7 @@
-r"""Plain-PyTorch reference ops: the semantics every Triton kernel must reproduce.
+r"""Plain-PyTorch reference ops: the contract. The CPU path (`eager`) and the Triton kernels (`hf_vegas_kernels`)
+implement the same ops under the same names and signatures (`tests/test_op_contract.py`), so callers pick a module
+and never branch on which: `dense_attention`, `sparse_draft_attention`, `verify_attention` (with the scored rows'
+logits), `finalize_scores`, `select_topk`, `write_kv`. A finished row (`kv_len` 0) reads nothing and outputs zeros.
 
 Shapes (cache layout "NHD", see `hf_vegas.cache`):
     q           `(B, Hq, T, D)` queries, RoPE applied
@@ -213,8 +216,8 @@ def select_topk(scores, count, cand_end, out, layers=None):
     """Write into `out[..., b, :count[b]]` the slots of the `count[b]` highest `scores[..., b, :cand_end[b]]`,
     ascending; ties go to the lower slot. `out[..., b, count[b]:]` is left as it was. Returns `out`.
 
-    `scores` `(B, S)` with `out` `(B, K)`, or `scores` `(L, B, S)` with `out` `(L, B, K)` and `layers` the layer indices
-    to select for (default: all); `count` `(B,)`, or `(L, B)` for a budget per layer (at most `cand_end`, `K`).
+    `scores` `(B, S)` with `out` `(B, K)`, or `scores` `(L, B, S)` with `out` `(L, B, K)` and `layers` the layer
+    indices to select for (default: all); `count` `(B,)`, or `(L, B)` for a budget per layer (at most `cand_end`, `K`).
     """
     scores3, out3 = (scores[None], out[None]) if scores.dim() == 2 else (scores, out)
     if count.dim() not in (1, 2) or count.shape[-1] != scores3.shape[1]:
