@@ -75,7 +75,11 @@ def vegas_attention_forward(
             f"Layer {layer} attends with sliding_window={sliding_window}, but its config says "
             f"{'full' if full_layer else 'sliding'} attention: hf_vegas cannot tell which layers to sparsify."
         )
-    ops = _ops_for(cache, query, key)
+    # The kernels keep all `groups * tokens` query rows of a KV head in one tile; a wider forward (a prefill, HF's
+    # assisted loop's first verification, which re-feeds the prompt) runs the plain-PyTorch ops, and selects from
+    # its scored rows alone (`_select`) rather than emitting logits for every row.
+    narrow = query.shape[1] // key.shape[2] * query.shape[2] <= MAX_KERNEL_QUERY_ROWS
+    ops = cache.ops if narrow else cache.torch_ops
     plan, sel = cache.plan, cache.selection
     # Full-attention layers draft sparsely, and so do windows long enough to pay (`cache.sparse_layers`): a windowed
     # layer's selection and drafts stay inside its window.
@@ -100,7 +104,7 @@ def vegas_attention_forward(
             query, key, value, plan.query_slots, kv_len, sel.sel_idx[layer], sel.sel_count[layer], sel.sel_end,
             scaling, list_len=sel.draft_list_len, split_len=sel.draft_split_len, **extra,
         ), None
-    if selecting and sel.score_rows is not None and plan.mode == "verify":
+    if selecting and sel.score_rows is not None and plan.mode == "verify" and narrow:
         out, emitted, lse = ops.verify_attention(query, key, value, plan.query_slots, kv_len, scaling, sel.score_rows,
                                                  cache.vegas_config.score, **extra)
         _select_from_emitted(cache, ops, layer, emitted, lse, query.shape[1], sliding_window)
@@ -110,20 +114,14 @@ def vegas_attention_forward(
     else:
         out = ops.dense_attention(query, key, value, plan.query_slots, kv_len, scaling, **extra)
     if selecting:
-        _select(cache, ops, layer, query, key, scaling, extra)
+        _select(cache, layer, query, key, scaling, extra)
     return out, None
 
 
-# The kernels keep all `groups * tokens` query rows of a KV head in one tile. Longer forwards (prefills) run one
-# causal (or banded, for a sliding window) SDPA call per row (`ops/prefill.py`), or the plain-PyTorch ops when a
-# prefill does not start from an empty cache or the layer has a soft cap or sinks.
+# Query rows per KV head the kernels take in one tile. Longer forwards (prefills) run one causal (or banded, for a
+# sliding window) SDPA call per row (`ops/prefill.py`), or the plain-PyTorch ops when a prefill does not start from
+# an empty cache or the layer has a soft cap or sinks.
 MAX_KERNEL_QUERY_ROWS = 64
-
-
-def _ops_for(cache: VegasCache, query: torch.Tensor, key: torch.Tensor):
-    """The cache's ops, or its plain-PyTorch ones for a forward too wide for the kernels' tiles."""
-    groups = query.shape[1] // key.shape[2]
-    return cache.ops if groups * query.shape[2] <= MAX_KERNEL_QUERY_ROWS else cache.torch_ops
 
 
 def _select_from_emitted(cache: VegasCache, ops, layer: int, emitted, lse, q_heads: int, window=None) -> None:
@@ -142,11 +140,12 @@ def _select_from_emitted(cache: VegasCache, ops, layer: int, emitted, lse, q_hea
     ops.finalize_scores(emitted, lse, sel.score_rows, sel.sel_end, q_heads, weights, mean_rows=True,
                         out=layer_scores[layer][:, None], **where)
     sel.scored_layers.append(layer)
-    _flush_scored(cache, ops, layer)
+    _flush_scored(cache, layer)
 
 
-def _flush_scored(cache: VegasCache, ops, layer: int) -> None:
-    """At the forward's last sparse layer, select for every layer whose scores wait in the scratch."""
+def _flush_scored(cache: VegasCache, layer: int) -> None:
+    """At the forward's last sparse layer, select for every layer whose scores wait in the scratch (with the cache's
+    ops whatever the forward's width: a selection is one row of scores per (layer, row))."""
     sel = cache.selection
     if layer != sel.sparse_layers[-1] or not sel.scored_layers:
         return
@@ -154,11 +153,11 @@ def _flush_scored(cache: VegasCache, ops, layer: int) -> None:
         layers = sel.sparse_layer_index
     else:
         layers = torch.tensor(sel.scored_layers, device=sel.sparse_layer_index.device)
-    ops.select_topk(sel.layer_scores(0), sel.sel_count, sel.sel_end, sel.buffer(), layers=layers)
+    cache.ops.select_topk(sel.layer_scores(0), sel.sel_count, sel.sel_end, sel.buffer(), layers=layers)
     sel.scored_layers = []
 
 
-def _select(cache: VegasCache, ops, layer: int, query, key, scaling, extra: dict) -> None:
+def _select(cache: VegasCache, layer: int, query, key, scaling, extra: dict) -> None:
     """Choose the next draft's slots for this layer from this prefill/verify forward (no host sync), when the
     forward's attention did not emit its scores (a prefill, or a forward too wide for the kernels)."""
     plan, sel, config = cache.plan, cache.selection, cache.vegas_config
@@ -179,7 +178,7 @@ def _select(cache: VegasCache, ops, layer: int, query, key, scaling, extra: dict
         return
     sel.layer_scores(scores.shape[-1])[layer].copy_(scores.mean(dim=1))
     sel.scored_layers.append(layer)
-    _flush_scored(cache, ops, layer)
+    _flush_scored(cache, layer)
 
 
 def _select_for_the_draft_query(cache: VegasCache, ops, layer: int, query, key, scaling, extra: dict) -> None:

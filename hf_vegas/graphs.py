@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import math
+import types
 import weakref
 
 import torch
@@ -86,8 +88,8 @@ class StepGraphs:
     step when), whole: the cache update, the attention and the selection are traced too, their kernels as custom
     ops (`hf_vegas_kernels.ops`). Inductor fuses the norms, rotary embedding, activations and residual adds of every
     layer, which otherwise cost one small kernel each (about 1 200 per SmolLM2 forward). A step kind compiles once:
-    the forward holds no graph break, so no layer recompiles it; a generation compiles its draft, verification
-    (per gamma) and dense forwards, within dynamo's default recompile limit.
+    the forward holds no graph break, so no layer recompiles it; a bucket compiles its draft, verification (per
+    gamma) and dense forwards, within dynamo's default recompile limit (see `compiled`).
 
     What a graph reads must outlive it: the pooled cache, the model's weights and the step's static inputs. Anything
     else a step bakes in (a processor's temperature, a generation's length budget) must be in its key or an input.
@@ -96,6 +98,7 @@ class StepGraphs:
     def __init__(self, compile: bool = False):
         self.compile = compile
         self.compiling = False  # True while a step runs for its compilation or its capture
+        self._compiled = None  # this bucket's compiled forward (`compiled`)
         self._steps: dict[tuple, object] = {}
         self._outputs: set[int] = set()  # ids of the captured steps' output tensors (static, alive with their step)
         self.disabled_reason: str | None = None
@@ -135,9 +138,20 @@ class StepGraphs:
         return state.outputs
 
     def compiled(self, forward):
-        """`forward` compiled while a step compiles or is captured with `compile` on, else `forward` itself."""
-        # dynamo caches by code object: every call of one function reuses its compilations
-        return torch.compile(forward, dynamic=False) if self.compile and self.compiling else forward
+        """`forward` (a bound method) compiled while a step compiles or is captured with `compile` on, else itself.
+
+        Dynamo keeps its compilations, and its recompile limit (8), per code object: one function shared by every
+        bucket would stop compiling after a few buckets (each compiles its draft, verification per gamma and dense
+        forwards). So each `StepGraphs` (one bucket) compiles its own copy of the function's code.
+        """
+        if not (self.compile and self.compiling):
+            return forward
+        if self._compiled is None:
+            function = forward.__func__
+            copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                                      function.__defaults__, function.__closure__)
+            self._compiled = torch.compile(copy, dynamic=False)
+        return functools.partial(self._compiled, forward.__self__)
 
     @contextlib.contextmanager
     def _compiling(self):

@@ -75,3 +75,22 @@ def test_compiled_steps_trace_whole_and_match_eager(arch, backend, policy, monke
         assert torch.equal(c_sel_count, sel_count)
         used = torch.arange(sel_idx.shape[-1], device=sel_idx.device) < sel_count[..., None]
         assert torch.equal(c_sel_idx[used], sel_idx[used])
+
+
+def test_each_bucket_compiles_its_own_copy_of_the_forward():
+    """Dynamo's recompile limit (8) counts per code object: a forward shared by every bucket would stop compiling
+    after a few buckets. Each `StepGraphs` (one bucket) compiles its own copy, once; off compilation, the forward."""
+    from hf_vegas.graphs import StepGraphs
+
+    class Runner:
+        def forward(self, x):
+            return x + 1
+
+    runner, first, second = Runner(), StepGraphs(compile=True), StepGraphs(compile=True)
+    assert first.compiled(runner.forward) == runner.forward, "not while compiling: the forward itself"
+    first.compiling = second.compiling = True
+    a, b = first.compiled(runner.forward), second.compiled(runner.forward)
+    assert a.func is first.compiled(runner.forward).func and a.args == (runner,)
+    codes = [c.func.__wrapped__.__code__ for c in (a, b)]
+    assert codes[0] is not codes[1] and codes[0] is not Runner.forward.__code__
+    assert codes[0].co_code == Runner.forward.__code__.co_code

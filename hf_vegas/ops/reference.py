@@ -224,14 +224,17 @@ def select_topk(scores, count, cand_end, out, layers=None):
         raise ValueError(f"select_topk: count must be (B,) or (L, B), got {tuple(count.shape)}")
     if layers is None:
         layers = torch.arange(scores3.shape[0], device=scores.device)
-    counts = (count if count.dim() == 2 else count[None].expand(scores3.shape[0], -1))[layers][:, :, None]
+    counts = count if count.dim() == 2 else count[None].expand(scores3.shape[0], -1)
     slots = torch.arange(scores3.shape[-1], device=scores.device)
-    ranked = scores3[layers].float().masked_fill(slots >= cand_end[:, None], float("-inf"))
-    best = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :out3.shape[-1]]
-    position = torch.arange(best.shape[-1], device=scores.device)
-    kept = position < counts
-    ascending = torch.sort(best.masked_fill(~kept, scores3.shape[-1]), dim=-1).values  # the kept slots first
-    out3[layers] = torch.where(kept, ascending, out3[layers])
+    position = torch.arange(out3.shape[-1], device=scores.device)
+    for i in range(layers.shape[0]):  # one layer at a time: a sort of (B, S), not of every layer's scores at once
+        layer = layers[i:i + 1]  # a one-element index on the device (no host read: graph-safe)
+        ranked = scores3[layer].float().masked_fill(slots >= cand_end[:, None], float("-inf"))
+        best = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :out3.shape[-1]]
+        kept = position[:best.shape[-1]] < counts[layer][..., None]
+        ascending = torch.sort(best.masked_fill(~kept, scores3.shape[-1]), dim=-1).values  # the kept slots first
+        width = best.shape[-1]
+        out3[layer, :, :width] = torch.where(kept, ascending, out3[layer, :, :width])
     return out
 
 
