@@ -48,6 +48,13 @@ from .config import VegasConfig
 
 logger = logging.getLogger(__name__)
 
+# Inductor computes a fused kernel's intermediates in fp32 and, by default, skips the rounding a cast to bf16 between
+# two fused ops would do in eager PyTorch. The verification (gamma + 1 tokens) and the dense decode (1 token) compile
+# into different fusions, so their bf16 logits then round apart: on an H100, SmolLM2 at 64 x 7.5K greedy, Vegas kept
+# our dense path's tokens in 23 to 26 of 64 rows. Rounding where eager rounds brings it back to 64 of 64 at the same
+# iteration time (17.26 ms against 17.07-17.15, `benchmarks/results/throughput.jsonl`).
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+
 # Capacities are rounded up to this many slots, so prompts of similar lengths share a cache and its graphs.
 CAPACITY_BUCKET = 1024
 
@@ -150,7 +157,7 @@ class StepGraphs:
             function = forward.__func__
             copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
                                       function.__defaults__, function.__closure__)
-            self._compiled = torch.compile(copy, dynamic=False)
+            self._compiled = torch.compile(copy, dynamic=False, options=INDUCTOR_OPTIONS)
         return functools.partial(self._compiled, forward.__self__)
 
     @contextlib.contextmanager
