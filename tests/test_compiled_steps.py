@@ -55,12 +55,13 @@ def _iterations(model, ids, backend: str, policy: str, compiled: bool, iteration
     return seen
 
 
-@pytest.mark.parametrize("policy", ["vegas", "last_token", "streaming"])
+# Every policy on a full-attention model; the hybrid sliding-window model (windows drafting sparsely) with Vegas'.
+CASES = [("llama", policy) for policy in ("vegas", "last_token", "streaming")] + [("gemma3", "vegas")]
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_compiled_steps_trace_whole_and_match_eager(arch, backend, policy, monkeypatch, short_windows_draft):
-    if policy == "last_token" and backend == "torch" and arch == "gemma3":
-        pytest.skip("covered by the llama case; one deferred policy case per backend keeps the suite short")
+@pytest.mark.parametrize("arch,policy", CASES)
+def test_compiled_steps_trace_whole_and_match_eager(arch, policy, backend, monkeypatch, short_windows_draft):
     # The shape-static reference ops (the CPU path's host reads are not traceable: it never compiles).
     monkeypatch.setattr(hf_vegas.cache, "uses_eager_ops", lambda backend, device: False)
     torch._dynamo.reset()
