@@ -1,0 +1,59 @@
+"""One rank of `tests/test_tensor_parallel.py`, launched by `torchrun --nproc_per_node 2` with the gloo backend.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/tensor_parallel_worker.py MODEL_DIR OUT_DIR
+
+On a machine with GPUs each rank takes one (NCCL); else the CPU (gloo). Loads the tiny model in MODEL_DIR under
+transformers' tensor parallelism (`tp_plan="auto"`: each rank holds its
+share of the attention heads), runs vanilla greedy `generate`, Vegas greedy and Vegas sampling on a ragged batch,
+and writes what the test checks to OUT_DIR/rank<r>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+import hf_vegas  # registers the short name "vegas"
+from hf_vegas._compat.internals import CACHE_KEYWORD
+
+VEGAS = dict(custom_generate="vegas", vegas_gamma=3, vegas_sparsity=0.2, vegas_min_tokens=8)
+
+
+def main(model_dir: str, out_dir: str) -> None:
+    rank = int(os.environ["RANK"])
+    cuda = torch.cuda.is_available()
+    if cuda:  # one GPU per rank, NCCL: the Triton kernels and CUDA graphs, with the all-reduces inside the graphs
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto")
+    ids = torch.randint(3, 128, (3, 60), generator=torch.Generator().manual_seed(1)).to(model.device)
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0  # left padding: rows of 60, 43 and 55 tokens
+    mask[2, :5] = 0
+    common = dict(attention_mask=mask, max_new_tokens=16, pad_token_id=0)
+    vanilla = model.generate(ids, **common, do_sample=False)
+    greedy = model.generate(ids, **common, do_sample=False, return_dict_in_generate=True, **VEGAS)
+    # With CUDA graphs the cache stays pooled for the next call (outputs do not hold it).
+    cache = getattr(greedy, CACHE_KEYWORD) or hf_vegas.graphs.pooled_cache(model)
+    torch.manual_seed(5)  # every rank draws from the same generator state
+    sampled = model.generate(ids, **common, do_sample=True, temperature=0.8, **VEGAS)
+    result = dict(
+        world=dist.get_world_size(), vanilla=vanilla.tolist(), greedy=greedy.sequences.tolist(),
+        accepted=greedy.accepted.tolist(), sampled=sampled.tolist(),
+        cache_kv_heads=int(cache.layers[0].keys.shape[2]),
+        model_kv_heads=int(model.config.num_key_value_heads),
+        sharded=type(model.model.layers[0].self_attn.q_proj.weight).__name__, device=str(model.device),
+        backend=cache.backend, graphs=hf_vegas.graphs.pooled_graphs(model) is not None,
+    )
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -1,0 +1,52 @@
+"""Vegas under transformers' tensor parallelism (`from_pretrained(..., tp_plan="auto")`), on the CPU: two processes
+with the gloo backend (`tests/tensor_parallel_worker.py`, launched with torchrun).
+
+Each rank holds its share of the attention heads, and the `VegasCache` it builds holds only those KV heads (it
+sizes itself from the keys the model hands it). Each rank selects its heads' slots from its own query heads, with no
+communication: the selection only decides which drafts are accepted, and every rank takes the same acceptance
+decisions because the logits after the row-parallel output projection are all-reduced, hence identical. So greedy
+output equals vanilla greedy under the same parallelism, and sampling draws the same tokens on every rank (each
+rank's generator starts from the same seed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import BUILDERS
+
+WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("this torch build has no torch.distributed gloo backend")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_tensor_parallel_ranks_give_vanilla_greedy_and_agree_when_sampling(arch, tmp_path, gloo):
+    torch.manual_seed(0)
+    BUILDERS[arch]().save_pretrained(tmp_path / "model")
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
+         str(tmp_path / "model"), str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        assert rank["world"] == 2 and rank["sharded"] == "DTensor", "the model must really be tensor parallel"
+        assert rank["cache_kv_heads"] * 2 == rank["model_kv_heads"], "each rank caches only its own KV heads"
+        assert rank["greedy"] == rank["vanilla"], "Vegas greedy = vanilla greedy under the same parallelism"
+    assert ranks[0]["accepted"] == ranks[1]["accepted"], "every rank takes the same acceptance decisions"
+    assert ranks[0]["greedy"] == ranks[1]["greedy"]
+    assert ranks[0]["sampled"] == ranks[1]["sampled"], "the speculative-sampling draws agree across ranks"
+    accepted = [a for row in ranks[0]["accepted"] for a in row if a >= 0]
+    assert any(a < 3 for a in accepted), "some drafts rejected: the drafts ran sparse, not the full attention"
