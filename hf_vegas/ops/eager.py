@@ -100,8 +100,8 @@ def verify_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, s
     """`reference.verify_attention` over slots `[0, max(kv_len))`; `emitted` is zero past them."""
     out = dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, window, softcap, sinks)
     num_slots, n = k_cache.shape[1], int(reference._finished_rows(kv_len, q_slot)[1].max())
-    logits = _grouped_logits(q, _heads_first(k_cache, n), scaling, softcap)
-    emitted, lse = reference.emit_scores(logits, q_slot, kv_len, score_rows, score, softcap, sinks, window,
+    row_logits = _grouped_logits(q[:, :, score_rows], _heads_first(k_cache, n), scaling, softcap)
+    emitted, lse = reference.emit_scores(row_logits, q_slot, kv_len, score_rows, score, softcap, sinks, window,
                                          k_cache.shape[2])
     return out, torch.nn.functional.pad(emitted, (0, num_slots - n)), lse
 

@@ -127,27 +127,33 @@ def verify_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, s
 
     Returns `(out (B, T, Hq, Dv), emitted (B, R, heads, S), lse (B, T, Hq))`, the input of `finalize_scores`:
     `score="logits"` without a soft cap emits per-KV-head group sums (heads = Hkv: logits are linear in the query);
-    softmax weights, and soft-capped logits, need every query head's own logits (heads = Hq). `lse` is each query's
-    log-sum-exp over the slots it sees, sinks included. What `emitted` holds for slots the op does not read is
-    unspecified (the kernels read from a window's start on); `finalize_scores` reads the candidates only.
+    softmax weights, and soft-capped logits, need every query head's own logits (heads = Hq). `lse` is a query's
+    log-sum-exp over the slots it sees, sinks included; `finalize_scores` reads the scored rows' only, which are all
+    the plain ops compute (the other rows hold NaN; the kernels fill every row, at no extra cost). What `emitted`
+    holds for slots the op does not read is unspecified (the kernels read from a window's start on);
+    `finalize_scores` reads the candidates only.
     """
     out = dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, window, softcap, sinks)
-    logits = _logits(q, k_cache, scaling, softcap)
-    return (out, *emit_scores(logits, q_slot, kv_len, score_rows, score, softcap, sinks, window, k_cache.shape[2]))
+    row_logits = _logits(q[:, :, score_rows], k_cache, scaling, softcap)
+    return (out, *emit_scores(row_logits, q_slot, kv_len, score_rows, score, softcap, sinks, window,
+                              k_cache.shape[2]))
 
 
-def emit_scores(logits, q_slot, kv_len, score_rows, score: str, softcap, sinks, window, kv_heads: int):
-    """`verify_attention`'s `(emitted, lse)` from the forward's `(B, Hq, T, N)` fp32 logits over slots `[0, N)`."""
+def emit_scores(row_logits, q_slot, kv_len, score_rows, score: str, softcap, sinks, window, kv_heads: int):
+    """`verify_attention`'s `(emitted, lse)` from the scored rows' `(B, Hq, R, N)` fp32 logits over slots `[0, N)`
+    (`q_slot` `(B, T)`: every row of the forward)."""
     if score not in ("logits", "weights"):
         raise ValueError(f"score must be 'logits' or 'weights', got {score!r}")
-    visible = _visible(q_slot, _finished_rows(kv_len, q_slot)[1], logits.shape[-1], window)[:, None]
-    seen = logits.masked_fill(~visible, float("-inf"))
+    lengths = _finished_rows(kv_len, q_slot)[1]
+    visible = _visible(q_slot[:, score_rows], lengths, row_logits.shape[-1], window)[:, None]
+    seen = row_logits.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         seen = torch.cat([seen, sinks.float().reshape(1, -1, 1, 1).expand(*seen.shape[:3], 1)], dim=-1)
-    lse = torch.logsumexp(seen, dim=-1).transpose(1, 2)  # (B, T, Hq)
-    rows = logits[:, :, score_rows].transpose(1, 2)  # (B, R, Hq, N)
+    batch, heads, num_rows, num_slots = row_logits.shape
+    lse = row_logits.new_full((batch, q_slot.shape[1], heads), float("nan"))
+    lse[:, score_rows] = torch.logsumexp(seen, dim=-1).transpose(1, 2)  # (B, R, Hq) into the scored rows
+    rows = row_logits.transpose(1, 2)  # (B, R, Hq, N)
     if score == "logits" and softcap is None:
-        batch, num_rows, heads, num_slots = rows.shape
         rows = rows.reshape(batch, num_rows, kv_heads, heads // kv_heads, num_slots).sum(dim=3)
     return rows, lse
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _launch, cache_write, norm, rotary, scores, select
+from . import _launch, cache_write, norm, rotary, select
+from . import scores as emitted_scores
 from .attention import EMIT_GROUP_SUM, EMIT_PER_HEAD, attend
 
 Tensor = torch.Tensor
@@ -123,7 +124,7 @@ def _finalize_scores(
     emitted: Tensor, lse: Tensor, score_rows: Tensor, cand_end: Tensor, q_heads: int, weights: bool, mean_rows: bool,
     out: Tensor, cand_start: Tensor | None = None, window: int | None = None, q_slot: Tensor | None = None,
 ) -> None:
-    scores.finalize_scores(emitted, lse, score_rows, cand_end, q_heads, weights, mean_rows, out=out,
+    emitted_scores.finalize_scores(emitted, lse, score_rows, cand_end, q_heads, weights, mean_rows, out=out,
                            cand_start=cand_start, window=window, q_slot=q_slot)
 
 
@@ -144,8 +145,8 @@ def finalize_scores(emitted, lse, score_rows, cand_end, q_heads: int, weights: b
 
 
 @torch.library.custom_op("hf_vegas::select_topk", mutates_args=("out",))
-def _select_topk(scores_: Tensor, count: Tensor, cand_end: Tensor, out: Tensor, layers: Tensor | None = None) -> None:
-    select.select_topk(scores_, count, cand_end, out, layers)
+def _select_topk(scores: Tensor, count: Tensor, cand_end: Tensor, out: Tensor, layers: Tensor | None = None) -> None:
+    select.select_topk(scores, count, cand_end, out, layers)
 
 
 @_select_topk.register_fake
@@ -153,9 +154,9 @@ def _(*args, **kwargs):
     return None
 
 
-def select_topk(scores_, count, cand_end, out, layers=None):
+def select_topk(scores, count, cand_end, out, layers=None):
     """`hf_vegas.ops.reference.select_topk` (top `count[b]` slots below `cand_end[b]`, ascending, into `out`)."""
-    _select_topk(scores_, count, cand_end, out, layers)
+    _select_topk(scores, count, cand_end, out, layers)
     return out
 
 
