@@ -6,7 +6,8 @@
 
 Runs a warm-up generation (Triton compiles, graphs captured), then a second one in which the first draft (its gamma
 forwards and token choices), the first verify forward and the second iteration are each profiled on their own (one
-replay per graph when graphs are on: the profiler still sees every kernel of the graph). Prints, per step kind, the
+replay per graph when graphs are on: the profiler still sees every kernel of the graph), and a dense (gamma = 0)
+generation whose fifth decode step is profiled, for comparison with a verification. Prints, per step kind, the
 kernel count, the summed kernel time and the costliest kernel families; then the peak memory of each step kind and
 of whole dense (gamma = 0) and Vegas generations on the same batch. Random weights have SmolLM2-135M's shape: timing
 and memory only, no acceptance. `--trace DIR` also writes each profile as a Chrome trace.
@@ -43,9 +44,15 @@ def load(random_weights: bool):
         return LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
 
-def kernel_table(prof, top: int) -> str:
+def kernel_table(prof, top: int, sequence: int = 0) -> str:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     lines = [f"{len(kernels)} kernels, {sum(e.device_time for e in kernels) / 1e3:.3f} ms of kernel time"]
+    if sequence:  # a window of the launch order (from the middle, so it shows one whole layer of a forward)
+        ordered = sorted(kernels, key=lambda e: e.time_range.start)
+        middle = len(ordered) // 2
+        for e in ordered[middle:middle + sequence]:
+            lines.append(f"  {e.time_range.start - ordered[middle].time_range.start:9.1f} us  "
+                         f"{e.device_time:7.2f} us  {e.name[:80]}")
     families = defaultdict(lambda: [0, 0.0])
     for e in kernels:
         families[e.name[:70]][0] += 1
@@ -66,6 +73,8 @@ def main() -> None:
     parser.add_argument("--sample", action="store_true", help="temperature 0.6, top-p 0.95 instead of greedy")
     parser.add_argument("--no-fuse", action="store_true", help="vegas_fuse_projections=False")
     parser.add_argument("--top", type=int, default=12, help="kernel families listed per step kind")
+    parser.add_argument("--sequence", type=int, default=0, metavar="N",
+                        help="also list N consecutive kernels from the middle of each step kind, in launch order")
     parser.add_argument("--trace", metavar="DIR", help="also write each profiled step as a Chrome trace into DIR")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -93,13 +102,16 @@ def main() -> None:
     # Profile one step of each kind in a third Vegas generation, and the peak memory of each step kind.
     original_verify, original_draft, original_iterate = StepRunner.verify, StepRunner.draft, decoding._Loop._iterate
     original_prefill = StepRunner.prefill
-    profiles, step_peaks = {}, defaultdict(float)
+    profiles, step_peaks, calls = {}, defaultdict(float), defaultdict(int)
 
     def profiled(kind, original):  # the first call of a step kind, outside the profiled iteration
         def step(runner, *step_args, **kwargs):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            if kind != "prefill" and kind not in profiles and not profiling_iteration:  # prefill: peak memory only
+            calls[kind] += 1
+            # prefill: peak memory only; a dense decode: its fifth call, past the graph's capture
+            wanted = kind != "prefill" and (kind != "decode" or calls[kind] == 5)
+            if wanted and kind not in profiles and not profiling_iteration:
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     out = original(runner, *step_args, **kwargs)
                     torch.cuda.synchronize()
@@ -128,19 +140,24 @@ def main() -> None:
 
     StepRunner.draft, StepRunner.verify = profiled("draft", original_draft), profiled("verify", original_verify)
     StepRunner.prefill = profiled("prefill", original_prefill)
+    original_decode, StepRunner.decode = StepRunner.decode, profiled("decode", StepRunner.decode)
     decoding._Loop._iterate = iterate
     try:
         model.generate(ids, **common, vegas_gamma=6)
+        hf_vegas.release_graphs(model)
+        model.generate(ids, **common, vegas_gamma=0)  # a dense step, for comparison with the verification
     finally:
         StepRunner.draft, StepRunner.verify, StepRunner.prefill = original_draft, original_verify, original_prefill
+        StepRunner.decode = original_decode
         decoding._Loop._iterate = original_iterate
 
     print(f"batch {args.batch} x {args.prompt_tokens}, {'sampling' if args.sample else 'greedy'}, "
           f"{'eager' if args.eager else 'graphs'}{' + compile' if args.compile else ''}"
           f"{'' if args.no_fuse else ', fused projections'}")
-    for kind in ("draft", "verify", "iteration"):
-        print(f"\n== one {kind}{' (gamma = 6 forwards and token choices)' if kind == 'draft' else ''}:")
-        print(kernel_table(profiles[kind], args.top))
+    for kind in ("draft", "verify", "iteration", "decode"):
+        print(f"\n== one {kind}{' (gamma = 6 forwards and token choices)' if kind == 'draft' else ''}"
+              f"{' (a dense step, gamma = 0)' if kind == 'decode' else ''}:")
+        print(kernel_table(profiles[kind], args.top, args.sequence))
         if args.trace:
             Path(args.trace).mkdir(parents=True, exist_ok=True)
             profiles[kind].export_chrome_trace(str(Path(args.trace) / f"{kind}.json"))
