@@ -4,7 +4,9 @@
     python benchmarks/projections.py --sweep --shapes smollm2-135m --rows 64   # launch settings per op
 
 Per (model shape, rows): one layer's q/k/v projections as three `F.linear` calls (cuBLAS) against one
-`qkv_linear` launch, and the gated MLP's gate/up/activation/product as three launches against one `gated_linear`,
+`qkv_linear` launch, the gated MLP's gate/up/activation/product as three launches against one `gated_linear`, a fused
+draft layer's q/k/v + rotary + cache write as `qkv_linear` + `rope_write_kv` against one `qkv_rope_write`, and the
+output and down projections with their residual as `torch.addmm` against `linear_residual`,
 each timed as a replayed CUDA graph over enough weight copies to defeat L2 (median of 20 replays). Records go to
 --out (JSONL, with GPU, versions, commit); a table is printed last.
 
@@ -58,18 +60,51 @@ def measure(shape: str, rows: int) -> dict:
     def fused_mlp(i):
         return kernels.gated_linear_op(x, *mlp[i % mlp_n], "silu")
 
+    # A fused draft layer's q/k/v + rotary + cache write: two launches (`qkv_linear`, `rope_write_kv`) against one.
+    head_dim = 128 if shape == "qwen3-8b" else 64
+    q_heads, kv_heads = q_out // head_dim, kv_out // head_dim
+    k_cache, v_cache = (torch.zeros(rows, 64, kv_heads, head_dim, **bf16) for _ in range(2))
+    slots = torch.arange(rows, device="cuda")[:, None] % 64
+    angles = torch.rand(rows, 1, head_dim, device="cuda")
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    layout = (q_heads, kv_heads, head_dim)
+
+    def two_launch_rope(i):
+        qkv_out = kernels.qkv_linear(x, *qkv[i % n], None, None, None)
+        return kernels.rope_write_kv(qkv_out.view(rows, 1, -1), cos, sin, k_cache, v_cache, slots, *layout)
+
+    def one_launch_rope(i):
+        return kernels.qkv_rope_write(x.view(rows, 1, -1), *qkv[i % n], None, None, None, cos, sin, k_cache, v_cache,
+                                      slots, *layout)
+
+    # The residual sums: cuBLAS' addmm (a copy of the residual, then the GEMM) against `linear_residual`.
+    o_n, down_n = _copies(q_out * hidden * 2), _copies(inter * hidden * 2)
+    o_w = [torch.randn(hidden, q_out, **bf16) / 32 for _ in range(o_n)]
+    down_w = [torch.randn(hidden, inter, **bf16) / 32 for _ in range(down_n)]
+    attn, gated, residual = torch.randn(rows, q_out, **bf16), torch.randn(rows, inter, **bf16), torch.randn_like(x)
+
     want = torch.cat(separate_qkv(0), dim=-1).float()
     error = (fused_qkv(0).float() - want).norm() / want.norm()
+    want_q = two_launch_rope(0).float()
+    rope_error = (one_launch_rope(0).float() - want_q).norm() / want_q.norm()
     return dict(shape=shape, rows=rows, qkv_separate_us=graph_time(separate_qkv, n) * 1e6,
                 qkv_fused_us=graph_time(fused_qkv, n) * 1e6, mlp_separate_us=graph_time(separate_mlp, mlp_n) * 1e6,
-                mlp_fused_us=graph_time(fused_mlp, mlp_n) * 1e6, qkv_relative_error=float(error))
+                mlp_fused_us=graph_time(fused_mlp, mlp_n) * 1e6, qkv_relative_error=float(error),
+                qkv_rope_two_launch_us=graph_time(two_launch_rope, n) * 1e6,
+                qkv_rope_one_launch_us=graph_time(one_launch_rope, n) * 1e6, qkv_rope_relative_error=float(rope_error),
+                o_addmm_us=graph_time(lambda i: torch.addmm(residual, attn, o_w[i % o_n].t()), o_n) * 1e6,
+                o_residual_us=graph_time(lambda i: kernels.linear_residual_op(attn, o_w[i % o_n], residual),
+                                         o_n) * 1e6,
+                down_addmm_us=graph_time(lambda i: torch.addmm(residual, gated, down_w[i % down_n].t()), down_n) * 1e6,
+                down_residual_us=graph_time(lambda i: kernels.linear_residual_op(gated, down_w[i % down_n], residual),
+                                            down_n) * 1e6)
 
 
 SWEEP_GRID = dict(block_m=[16, 32, 64], block_n=[16, 32, 64, 128], block_k=[64, 128], num_warps=[2, 4],
                   num_stages=[2, 4])
 
 
-def sweep(shape: str, rows: int) -> list[dict]:
+def sweep(shape: str, rows: int, only: list[str] | None = None) -> list[dict]:
     """Each one-launch kernel at `rows` rows under every setting of SWEEP_GRID, with cuBLAS for reference."""
     from itertools import product
 
@@ -83,11 +118,19 @@ def sweep(shape: str, rows: int) -> list[dict]:
         return n, [[torch.randn(o, k, **bf16) / 32 for o in outs] for _ in range(n)]
 
     x, x_inter = torch.randn(rows, hidden, **bf16), torch.randn(rows, inter, **bf16)
+    head_dim = 128 if shape == "qwen3-8b" else 64
+    angles = torch.rand(rows, 1, head_dim, device="cuda")
+    rope = (angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16),
+            *(torch.zeros(rows, 64, kv_out // head_dim, head_dim, **bf16) for _ in range(2)),
+            torch.arange(rows, device="cuda")[:, None] % 64, (q_out // head_dim, kv_out // head_dim, head_dim))
     ops = {  # kind: (copies, weight sets, one-launch call, cuBLAS call)
         "qkv": (*weights(q_out, kv_out, kv_out), lambda w: kernels.qkv_linear(x, *w, None, None, None),
                 lambda w: [F.linear(x, wi) for wi in w]),
         "gated": (*weights(inter, inter), lambda w: kernels.gated_linear_op(x, *w, "silu"),
                   lambda w: F.silu(F.linear(x, w[0])) * F.linear(x, w[1])),
+        "qkv_rope": (*weights(q_out, kv_out, kv_out), lambda w: kernels.qkv_rope_write(
+            x.view(rows, 1, -1), *w, None, None, None, rope[0], rope[1], rope[2], rope[3], rope[4], *rope[5]),
+            lambda w: [F.linear(x, wi) for wi in w]),
         "linear(o)": (*weights(hidden, k=q_out), lambda w: kernels.grouped_linear(x, w),
                       lambda w: F.linear(x, w[0])),
         "linear(down)": (*weights(hidden, k=inter), lambda w: kernels.grouped_linear(x_inter, w),
@@ -98,11 +141,15 @@ def sweep(shape: str, rows: int) -> list[dict]:
     try:
         for op, (n, sets, fused, cublas) in ops.items():
             kind = op.split("(")[0]
+            if only and op not in only:
+                continue
             cublas_us = graph_time(lambda i: cublas(sets[i % n]), n) * 1e6
             for values in product(*SWEEP_GRID.values()):
                 setting = dict(zip(SWEEP_GRID, values))
                 if setting["block_m"] > max(16, rows):
                     continue  # the launcher clamps it to the rows: a duplicate of a smaller block
+                if kind == "qkv_rope" and setting["block_n"] != SWEEP_GRID["block_n"][0]:
+                    continue  # a program owns one head: no column block to choose
                 _launch.LINEAR_TUNING[kind] = setting
                 records.append(dict(shape=shape, rows=rows, op=op, setting=setting, cublas_us=cublas_us,
                                     us=graph_time(lambda i: fused(sets[i % n]), n) * 1e6))
@@ -119,6 +166,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/projections.jsonl"))
     parser.add_argument("--commit", default=None)
     parser.add_argument("--sweep", action="store_true", help="sweep the kernels' launch settings instead")
+    parser.add_argument("--ops", nargs="+", choices=["qkv", "gated", "qkv_rope", "linear(o)", "linear(down)"],
+                        help="with --sweep: only these kernels (default: all)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/projections.py needs a CUDA GPU.")
@@ -126,7 +175,8 @@ def main() -> None:
     if args.sweep:
         out = args.out if args.out != Path("benchmarks/results/projections.jsonl") else (
             Path("benchmarks/results/projections_sweep.jsonl"))
-        records = [dict(base, **r) for shape in args.shapes for rows in args.rows for r in sweep(shape, rows)]
+        records = [dict(base, **r) for shape in args.shapes for rows in args.rows
+                   for r in sweep(shape, rows, args.ops)]
         append_records(out, records)
         for key in sorted({(r["shape"], r["rows"], r["op"]) for r in records}):
             group = sorted((r for r in records if (r["shape"], r["rows"], r["op"]) == key), key=lambda r: r["us"])
@@ -137,11 +187,14 @@ def main() -> None:
         return
     records = [dict(base, **measure(shape, rows)) for shape in args.shapes for rows in args.rows]
     append_records(args.out, records)
-    print(f"{'shape':<14} {'rows':>5} {'qkv: 3 cuBLAS':>14} {'1 fused':>8} {'mlp: 3 launches':>16} {'1 fused':>8}  us")
+    print(f"{'shape':<14} {'rows':>5} {'qkv: 3 cuBLAS':>14} {'1 fused':>8} {'mlp: 3 launches':>16} {'1 fused':>8} "
+          f"{'qkv+rope: 2':>12} {'1':>6} {'o: addmm':>9} {'fused':>6} {'down: addmm':>12} {'fused':>6}  us")
     for r in records:
         print(f"{r['shape']:<14} {r['rows']:>5} {r['qkv_separate_us']:>14.1f} {r['qkv_fused_us']:>8.1f} "
-              f"{r['mlp_separate_us']:>16.1f} {r['mlp_fused_us']:>8.1f}   "
-              f"(qkv rel. error {r['qkv_relative_error']:.1e})")
+              f"{r['mlp_separate_us']:>16.1f} {r['mlp_fused_us']:>8.1f} {r['qkv_rope_two_launch_us']:>12.1f} "
+              f"{r['qkv_rope_one_launch_us']:>6.1f} {r['o_addmm_us']:>9.1f} {r['o_residual_us']:>6.1f} "
+              f"{r['down_addmm_us']:>12.1f} {r['down_residual_us']:>6.1f}   (qkv rel. error "
+              f"{r['qkv_relative_error']:.1e}, qkv+rope {r['qkv_rope_relative_error']:.1e})")
 
 
 def _default_setting(op: str) -> dict:

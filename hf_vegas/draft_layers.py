@@ -3,16 +3,18 @@
 A SmolLM2 draft step at batch 64 is bound by its launch count, not its bytes (`benchmarks/profile_forward.py`):
 even compiled, each layer is eleven kernels of 1-4 us (add + norm, q/k/v, two rotary halves, the cache write, the
 sparse attention, the output projection, add + norm, gate/up, down, add). In draft steps a layer whose code is
-exactly Llama's runs instead as eight calls, nine kernels:
+exactly Llama's runs instead as seven calls, seven kernels (eight when the draft attention splits its list):
 
     input RMSNorm                                           hf_vegas_kernels.rms_norm
-    q/k/v projection                                        hf_vegas_kernels.qkv_linear
-    rotary embedding of q and k + cache write of k and v    hf_vegas_kernels.rope_write_kv
+    q/k/v projection + rotary embedding + cache write       hf_vegas_kernels.qkv_rope_write
     sparse draft attention                                  hf_vegas_kernels.sparse_draft_attention
-    residual + output projection                            torch.addmm (cuBLAS: a copy of the residual + the GEMM)
+    output projection + residual                            hf_vegas_kernels.linear_residual_op
     post-attention RMSNorm                                  hf_vegas_kernels.rms_norm
     gate/up projection + activation                         hf_vegas_kernels.gated_linear_op
-    residual + down projection                              Tensor.addmm_ (in place: the GEMM alone)
+    down projection + residual                              hf_vegas_kernels.linear_residual_op
+
+(Before, the projection and the rotary embedding were two launches, and each residual sum was cuBLAS' `addmm`,
+which a compiled step runs as a copy of the residual and the GEMM: eleven kernels per layer.)
 
 Drafts only decide how many tokens are accepted, never which (the verification, with the model's own layers, picks
 every token; sampling uses the drafts' real probabilities), so this rounding is free to differ from the model's.
@@ -114,9 +116,7 @@ def layer_parts(layer) -> _Parts | None:
     weights = (q.weight, o.weight, mlp.gate_proj.weight, mlp.down_proj.weight, *(norm.weight for norm in norms))
     if len({t.dtype for t in weights}) != 1:
         return None
-    linear = backend.kernels().linear
-    if linear.block_n_for(q.out_features, k.out_features, v.out_features) is None:
-        return None
+    linear = backend.kernels().linear  # (q/k/v run in `qkv_rope_write`, which takes any even head_dim)
     if linear.block_n_for(mlp.gate_proj.out_features) is None:
         return None
     if not _small(q, k, v) or not _small(mlp.gate_proj, mlp.up_proj):
@@ -149,23 +149,23 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
     batch, tokens, hidden = hidden_states.shape
     x = hidden_states.reshape(batch * tokens, hidden)
     bias = parts.qkv_bias or (None, None, None)
-    qkv = kernels.qkv_linear(kernels.rms_norm(x, parts.norm_in, parts.eps_in), *parts.qkv, *bias)
+    normed = kernels.rms_norm(x, parts.norm_in, parts.eps_in).view(batch, tokens, hidden)
     cache.begin_layer(parts.layer_idx, tokens)
     store = cache.layers[parts.layer_idx]
     cos, sin = (t.contiguous() for t in position_embeddings)
-    q = kernels.rope_write_kv(qkv.view(batch, tokens, -1), cos, sin, store.keys, store.values, cache.plan.write_slots,
-                              parts.q_heads, parts.kv_heads, parts.head_dim)
+    q = kernels.qkv_rope_write(normed, *parts.qkv, *bias, cos, sin, store.keys, store.values, cache.plan.write_slots,
+                               parts.q_heads, parts.kv_heads, parts.head_dim)
     sel = cache.selection
     attn = kernels.sparse_draft_attention(
         q.transpose(1, 2), store.keys, store.values, cache.plan.query_slots, cache.plan.attend_lengths,
         sel.sel_idx[parts.layer_idx], sel.sel_count[parts.layer_idx], sel.sel_end, parts.scaling,
         list_len=sel.draft_list_len, split_len=sel.draft_split_len,
     )
-    # The layer's input belongs to the caller: the first residual sum is a new tensor, the second adds in place.
-    x = torch.addmm(x, attn.reshape(batch * tokens, -1), parts.o_weight.t())
+    # Each residual sum is one launch that reads the residual in its epilogue (`torch.addmm` would copy it first).
+    x = kernels.linear_residual_op(attn.reshape(batch * tokens, -1), parts.o_weight, x)
     gated = kernels.gated_linear_op(kernels.rms_norm(x, parts.norm_post, parts.eps_post), parts.gate, parts.up,
                                     parts.act)
-    return x.addmm_(gated, parts.down.t()).view(batch, tokens, hidden)
+    return kernels.linear_residual_op(gated, parts.down, x).view(batch, tokens, hidden)
 
 
 @contextlib.contextmanager

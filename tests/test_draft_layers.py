@@ -77,6 +77,48 @@ def test_rope_write_kv_matches_reference(tokens, heads, poison):
         _assert_fp32_close(got.nan_to_num(), want.nan_to_num())
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("heads", [(6, 2, 20), (4, 4, 16), (3, 1, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_qkv_rope_write_matches_reference(tokens, heads, with_bias, poison):
+    """The projection, rotation and cache write of one launch against the reference's composition: rows that span
+    several row blocks (19 x 3 tokens), odd head counts, a head dim whose half (10) is no power of two, input width 40
+    (not a multiple of the K block); caches NaN outside the written slots, outputs from NaN-poisoned buffers."""
+    q_heads, kv_heads, head_dim = heads
+    batch, slots, width = 19, 11, 40
+    gen = torch.Generator().manual_seed(tokens * 7 + head_dim + with_bias)
+    x = torch.randn(batch, tokens, width, generator=gen).to(DEVICE)
+    weights = [torch.randn(h * head_dim, width, generator=gen).to(DEVICE) / 4 for h in (q_heads, kv_heads, kv_heads)]
+    biases = [torch.randn(w.shape[0], generator=gen).to(DEVICE) if with_bias else None for w in weights]
+    angles = torch.rand(batch, tokens, head_dim // 2, generator=gen).to(DEVICE) * 6
+    cos = torch.cat([angles.cos(), (angles + 0.3).cos()], dim=-1)
+    sin = torch.cat([angles.sin(), (angles + 0.3).sin()], dim=-1)
+    slot_ids = torch.stack([torch.randperm(slots, generator=gen)[:tokens] for _ in range(batch)]).to(DEVICE)
+    caches = [torch.full((batch, slots, kv_heads, head_dim), NAN, device=DEVICE) for _ in range(4)]
+    layout = (q_heads, kv_heads, head_dim)
+    want_q = reference.qkv_rope_write(x, *weights, *biases, cos, sin, caches[0], caches[1], slot_ids, *layout)
+    got_q = kernels.qkv_rope_write(x, *weights, *biases, cos, sin, caches[2], caches[3], slot_ids, *layout)
+    _assert_fp32_close(got_q, want_q)
+    for got, want in ((caches[2], caches[0]), (caches[3], caches[1])):
+        assert torch.equal(got.isnan(), want.isnan()), "only the given slots are written"
+        _assert_fp32_close(got.nan_to_num(), want.nan_to_num())
+    # The reference is the two-launch path it replaces, kept in fp32 until the rotation.
+    qkv = reference.grouped_linear(x, weights, biases if with_bias else None)
+    two_step = [torch.full_like(caches[0], NAN) for _ in range(2)]
+    _assert_fp32_close(reference.rope_write_kv(qkv, cos, sin, *two_step, slot_ids, *layout), want_q)
+    _assert_fp32_close(two_step[0].nan_to_num(), caches[0].nan_to_num())
+
+
+def test_qkv_rope_write_refuses_weights_that_are_not_the_heads():
+    x = torch.randn(2, 1, 32, device=DEVICE)
+    weights = [torch.randn(n, 32, device=DEVICE) for n in (64, 16, 16)]
+    cos = sin = torch.ones(2, 1, 16, device=DEVICE)
+    cache = torch.zeros(2, 4, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="qkv_rope_write: weights"):
+        kernels.qkv_rope_write(x, *weights, None, None, None, cos, sin, cache, cache.clone(),
+                               torch.zeros(2, 1, dtype=torch.long, device=DEVICE), 3, 1, 16)
+
+
 def test_rope_write_kv_refuses_a_width_that_is_not_the_heads():
     qkv = torch.randn(2, 1, 100, device=DEVICE)
     cos = torch.randn(2, 1, 16, device=DEVICE)
@@ -147,8 +189,8 @@ def test_generation_with_fused_draft_layers_accepts_what_the_model_s_layers_acce
     sampling with one seed draws the same tokens (the draft probabilities it uses are the fused drafts' own).
     Greedy tokens against vanilla, through the fused layers: `test_triton_backend.py` (llama)."""
     calls = []
-    original = kernels.rope_write_kv
-    monkeypatch.setattr(kernels, "rope_write_kv", lambda *args: calls.append(1) or original(*args))
+    original = kernels.qkv_rope_write
+    monkeypatch.setattr(kernels, "qkv_rope_write", lambda *args: calls.append(1) or original(*args))
     model = tiny_model("llama").to(DEVICE)
     ids, mask = (t.to(DEVICE) for t in ragged_batch([30, 21]))
     common = dict(attention_mask=mask, max_new_tokens=8, do_sample=do_sample, pad_token_id=0, top_k=0,

@@ -49,6 +49,29 @@ def test_linear_kernels_under_other_launch_settings(monkeypatch, setting):
     _assert_fp32_close(kernels.grouped_linear(x, [gate]), reference.grouped_linear(x, [gate]))
 
 
+@pytest.mark.parametrize("rows", [1, 7, 70])
+@pytest.mark.parametrize("size", [48, 40])
+def test_linear_residual_matches_reference(rows, size, monkeypatch):
+    """`residual + x @ w.T` in one launch, from a NaN-poisoned output buffer; an output size no block of 16 divides
+    (40) takes `torch.addmm`. The residual is a view with a row stride of its own, and stays untouched."""
+    from hf_vegas_kernels import _launch
+
+    monkeypatch.setattr(_launch, "empty", lambda *shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                                  device=device))
+    gen = torch.Generator().manual_seed(rows + size)
+    x = torch.randn(rows, 96, generator=gen).to(DEVICE)
+    weight = torch.randn(size, 96, generator=gen).to(DEVICE) / 8
+    residual = torch.randn(rows, size + 8, generator=gen).to(DEVICE)[:, :size]
+    before = residual.clone()
+    want = reference.linear_residual(x, weight, residual)
+    assert not torch.allclose(want, reference.grouped_linear(x, [weight])), "the residual must count"
+    _assert_fp32_close(kernels.linear_residual(x, weight, residual), want)
+    _assert_fp32_close(kernels.linear_residual_op(x, weight, residual), want)
+    assert torch.equal(residual, before)
+    with pytest.raises(ValueError, match="residual must be"):
+        kernels.linear_residual(x, weight, residual[:, :8])
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_gated_linear_matches_reference(act):
     gen = torch.Generator().manual_seed(1)

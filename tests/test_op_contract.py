@@ -147,11 +147,18 @@ def _opcheck_cases():
                         {}),
         "write_kv": ((case.k.clone(), case.v.clone(), key, key.clone(), case.q_slot.contiguous()), {}),
         "rms_norm": ((torch.randn(5, 32, device=DEVICE), torch.randn(32, device=DEVICE), 1e-6), {}),
+        "linear_residual": ((torch.randn(5, 32, device=DEVICE), torch.randn(48, 32, device=DEVICE),
+                             torch.randn(5, 48, device=DEVICE)), {}),
+        "qkv_rope_write": ((torch.randn(2, 1, 40, device=DEVICE), torch.randn(128, 40, device=DEVICE),
+                            torch.randn(64, 40, device=DEVICE), torch.randn(64, 40, device=DEVICE), None, None, None,
+                            torch.rand(2, 1, 32, device=DEVICE), torch.rand(2, 1, 32, device=DEVICE),
+                            case.k.clone(), case.v.clone(), case.q_slot[:, :1].contiguous(), 4, 2, 32), {}),
     }
 
 
 @pytest.mark.parametrize("name", ["sparse_draft_attention", "dense_attention", "verify_attention", "finalize_scores",
-                                  "select_topk", "write_kv", "rms_norm"])
+                                  "select_topk", "write_kv", "rms_norm", "linear_residual",
+                                  "qkv_rope_write"])
 def test_custom_ops_have_true_fakes_and_declared_mutations(name):
     """Checks the schema (mutations declared are the mutations made), the fake against the real op, and tracing."""
     op = getattr(torch.ops.hf_vegas, name).default

@@ -294,6 +294,12 @@ def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act:
     return GATED_ACTIVATIONS[act](linear(x, w_gate)) * linear(x, w_up)
 
 
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """`residual + x @ weight.T`, rounded once (as `torch.addmm`, which a fused draft layer used before)."""
+    rows = residual.reshape(-1, residual.shape[-1])
+    return torch.addmm(rows, x.reshape(-1, x.shape[-1]), weight.t()).reshape(residual.shape)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Llama's rotary embedding of `x` `(..., D)` (the `rotate_half` convention), in fp32."""
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -310,3 +316,13 @@ def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, q_heads: int, kv_heads
     write_kv(k_cache, v_cache, keys.transpose(1, 2), v.reshape(batch, tokens, kv_heads, head_dim).transpose(1, 2),
              slots)
     return rotate(q.reshape(batch, tokens, q_heads, head_dim), cos, sin).to(qkv.dtype)
+
+
+def qkv_rope_write(x, wq, wk, wv, bq, bk, bv, cos, sin, k_cache, v_cache, slots, q_heads: int, kv_heads: int,
+                   head_dim: int):
+    """`rope_write_kv` of the q/k/v projections of `x` `(B, T, K)` (biases `bq`, `bk`, `bv` or None), with the
+    projections kept in fp32 until the rotation: writes the keys and values at `slots`, returns the rotated queries
+    `(B, T, Hq, D)` in `x`'s dtype."""
+    biases = None if bq is None else (bq.float(), bk.float(), bv.float())
+    qkv = grouped_linear(x.float(), (wq.float(), wk.float(), wv.float()), biases)
+    return rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, head_dim).to(x.dtype)

@@ -43,6 +43,9 @@ LINEAR_TUNING = {
     "gated": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
     "linear": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
     "generic": {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3},
+    # q/k/v + rotary + cache write (`qkv_rope.py`): a program per (head, row block), so narrower row blocks make
+    # the programs (SmolLM2 at 64 rows: 15 heads x 4 row blocks).
+    "qkv_rope": {"block_m": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
 }
 # Shared memory a projection kernel's pipelined tiles may take (an H100 block has 227 KiB): fp32 inputs, or the two
 # tiles of the gated kernel, take fewer stages instead of failing to launch.

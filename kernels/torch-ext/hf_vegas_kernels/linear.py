@@ -6,10 +6,14 @@ its draft step. These kernels read the separate weight matrices of one layer in 
 weights is made, so the model is untouched and no memory is added):
 
 - `grouped_linear(x, (w0, w1, w2), biases)` = `cat([x @ w0.T + b0, x @ w1.T + b1, x @ w2.T + b2], -1)`;
-- `gated_linear(x, w_gate, w_up, act)` = `act(x @ w_gate.T) * (x @ w_up.T)`, `act` "silu" or "gelu_tanh".
+- `gated_linear(x, w_gate, w_up, act)` = `act(x @ w_gate.T) * (x @ w_up.T)`, `act` "silu" or "gelu_tanh";
+- `linear_residual(x, w, residual)` = `residual + x @ w.T`, the residual read in the epilogue.
 
-(A single small projection in one such launch is no faster than cuBLAS: SmolLM2's output and down projections at 64
-rows took 3.3 and 5.0 us against cuBLAS' 3.6 and 5.0, `benchmarks/projections.py --sweep`, so they stay on cuBLAS.)
+A single small projection in one such launch is no faster than cuBLAS (SmolLM2's output and down projections at 64
+rows took 3.3 and 5.0 us against cuBLAS' 3.6 and 5.0, `benchmarks/projections.py --sweep`). With the residual it is:
+a compiled draft layer's `torch.addmm(residual, ...)` is a copy of the residual into the output (a `memcpy` launch
+of ~1.2 us) before the GEMM, twice per layer (the in-place `addmm_` is functionalised into the same pair), where
+`linear_residual` is one launch.
 
 A program owns `BLOCK_M` rows and `BLOCK_N` output columns that all lie in one weight (segment sizes are multiples
 of `BLOCK_N`), and accumulates in fp32. Block sizes, warps and stages per op: `_launch.LINEAR_TUNING`.
@@ -53,9 +57,9 @@ def _tile(X, W, rows, cols, m_ok, n_ok, K, stride_xm, stride_wn, BLOCK_M: tl.con
 
 @triton.jit
 def _grouped_linear(
-    X, W0, W1, W2, B0, B1, B2, Out, M, K, N0, N1, N2,
-    stride_xm, stride_w0, stride_w1, stride_w2, stride_om,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+    X, W0, W1, W2, B0, B1, B2, Res, Out, M, K, N0, N1, N2,
+    stride_xm, stride_w0, stride_w1, stride_w2, stride_rm, stride_om,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     n_start = tl.program_id(0) * BLOCK_N  # in the concatenated output (gated: in the gate's columns)
@@ -80,6 +84,9 @@ def _grouped_linear(
         result = _tile(X, W, rows, cols, m_ok, n_ok, K, stride_xm, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
         if HAS_BIAS:
             result += tl.load(B + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_RESIDUAL:  # one rounding of the fp32 sum, as cuBLAS' addmm (beta = 1) rounds
+            result += tl.load(Res + rows[:, None] * stride_rm + out_cols[None, :], mask=m_ok[:, None] & n_ok[None, :],
+                              other=0.0).to(tl.float32)
     tl.store(Out + rows[:, None] * stride_om + out_cols[None, :], result.to(Out.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
@@ -112,8 +119,9 @@ def _setting(kind: str, rows: int, sizes: list[int], element_bytes: int) -> dict
     return setting
 
 
-def _launch_linear(kind, x2, weights, biases, out, act=0):
-    """One launch of `_grouped_linear` over 1 to 3 weights (gated: gate and up) into `out`."""
+def _launch_linear(kind, x2, weights, biases, out, act=0, residual=None):
+    """One launch of `_grouped_linear` over 1 to 3 weights (gated: gate and up) into `out` (plus `residual`, rows
+    like `out`, for one weight)."""
     sizes = [w.shape[0] for w in weights]
     setting = _setting(kind, x2.shape[0], sizes, x2.element_size())
     # Triton's CPU interpreter (tests) pays per program: there the widest column block that fits, not the GPU's.
@@ -125,10 +133,11 @@ def _launch_linear(kind, x2, weights, biases, out, act=0):
     has_bias = biases is not None and biases[0] is not None
     bias = (list(biases) if has_bias else [x2] * len(weights)) + [x2] * (3 - len(weights))
     _grouped_linear[(triton.cdiv(out_cols, block_n), triton.cdiv(x2.shape[0], setting["block_m"]))](
-        x2, *padded, *bias, out, x2.shape[0], x2.shape[1], *(sizes + [0] * (3 - len(sizes))),
-        x2.stride(0), *(w.stride(0) for w in padded), out.stride(0),
-        HAS_BIAS=has_bias, GATED=gated, ACT=act, BLOCK_M=setting["block_m"], BLOCK_N=block_n,
-        BLOCK_K=setting["block_k"], PRECISION=_launch.dot_precision(x2.dtype),
+        x2, *padded, *bias, out if residual is None else residual, out, x2.shape[0], x2.shape[1],
+        *(sizes + [0] * (3 - len(sizes))), x2.stride(0), *(w.stride(0) for w in padded),
+        out.stride(0) if residual is None else residual.stride(0), out.stride(0),
+        HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None, GATED=gated, ACT=act, BLOCK_M=setting["block_m"],
+        BLOCK_N=block_n, BLOCK_K=setting["block_k"], PRECISION=_launch.dot_precision(x2.dtype),
         num_warps=setting["num_warps"], num_stages=setting["num_stages"],
     )
     return out
@@ -166,6 +175,21 @@ def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act:
     return out.reshape(*x.shape[:-1], size)
 
 
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """`residual + x @ weight.T` as a new tensor, rounded once. `x` `(..., K)`, `weight` `(N, K)`, `residual`
+    `(..., N)` in `x`'s dtype. An output size that no block of 16 divides runs as `torch.addmm` (the same sum)."""
+    size = weight.shape[0]
+    if residual.shape != (*x.shape[:-1], size) or residual.dtype != x.dtype:
+        raise ValueError(f"linear_residual: residual must be {(*x.shape[:-1], size)} in {x.dtype}, got "
+                         f"{tuple(residual.shape)} in {residual.dtype}")
+    x2, res2 = _rows(x), _rows(residual)
+    if block_n_for(size) is None:
+        return torch.addmm(res2, x2, weight.t()).reshape(residual.shape)
+    out = _launch.empty(x2.shape[0], size, dtype=x.dtype, device=x.device)
+    _launch_linear("linear", x2, [weight], None, out, residual=res2)
+    return out.reshape(residual.shape)
+
+
 # As `torch.library` ops with shape-only fakes, so `torch.compile` (`vegas_compile`) traces a step's forward through
 # them instead of breaking its graph at every projection.
 @torch.library.custom_op("hf_vegas::qkv_linear", mutates_args=())
@@ -189,3 +213,14 @@ def gated_linear_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, a
 @gated_linear_op.register_fake
 def _(x, w_gate, w_up, act):
     return x.new_empty(*x.shape[:-1], w_gate.shape[0])
+
+
+@torch.library.custom_op("hf_vegas::linear_residual", mutates_args=())
+def linear_residual_op(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """`linear_residual` as one op."""
+    return linear_residual(x, weight, residual)
+
+
+@linear_residual_op.register_fake
+def _(x, weight, residual):
+    return residual.new_empty(residual.shape)

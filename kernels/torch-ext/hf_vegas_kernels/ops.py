@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _launch, cache_write, norm, rotary, select
+from . import _launch, cache_write, norm, qkv_rope, rotary, select
 from . import scores as emitted_scores
 from .attention import EMIT_GROUP_SUM, EMIT_PER_HEAD, attend
 
@@ -183,6 +183,21 @@ def _(qkv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, head_dim):
     return qkv.new_empty(qkv.shape[0], qkv.shape[1], q_heads, head_dim)
 
 
+@torch.library.custom_op("hf_vegas::qkv_rope_write", mutates_args=("k_cache", "v_cache"))
+def qkv_rope_write(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, bq: Tensor | None, bk: Tensor | None,
+                   bv: Tensor | None, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+                   q_heads: int, kv_heads: int, head_dim: int) -> Tensor:
+    """Project, rotate and write one forward's keys and values at `slots`, in one launch; returns the rotated
+    queries."""
+    return qkv_rope.qkv_rope_write(x, wq, wk, wv, bq, bk, bv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads,
+                                   head_dim)
+
+
+@qkv_rope_write.register_fake
+def _(x, wq, wk, wv, bq, bk, bv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, head_dim):
+    return x.new_empty(x.shape[0], x.shape[1], q_heads, head_dim)
+
+
 @torch.library.custom_op("hf_vegas::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Llama's RMSNorm in one launch."""
@@ -194,5 +209,5 @@ def _(x, weight, eps):
     return x.new_empty(x.shape)
 
 
-__all__ = ["dense_attention", "finalize_scores", "rms_norm", "rope_write_kv", "select_topk", "sparse_draft_attention",
-           "verify_attention", "write_kv"]
+__all__ = ["dense_attention", "finalize_scores", "qkv_rope_write", "rms_norm", "rope_write_kv", "select_topk",
+           "sparse_draft_attention", "verify_attention", "write_kv"]
