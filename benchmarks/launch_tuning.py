@@ -5,11 +5,12 @@ from __future__ import annotations
 
 
 def apply_tuning(overrides: list[str]) -> dict:
-    """Set `KIND:KEY=VALUE` overrides into `_launch.TUNING` (KIND an attention kind) or `_launch.SELECT_TUNING`
-    (KIND `select`); values are ints, or floats. Returns them as a dict, for the records."""
+    """Set `KIND:KEY=VALUE` overrides into `_launch.TUNING` (KIND an attention kind), `_launch.SELECT_TUNING`
+    (KIND `select`) or `_launch.PDL` (`pdl:enabled=0`); values are ints, or floats. Returns them as a dict, for the
+    records."""
     from hf_vegas_kernels import _launch
 
-    tables = {**_launch.TUNING, "select": _launch.SELECT_TUNING}
+    tables = {**_launch.TUNING, "select": _launch.SELECT_TUNING, "pdl": _launch.PDL}
     applied = {}
     for item in overrides:
         kind, _, setting = item.partition(":")

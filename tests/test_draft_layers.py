@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
+import hf_vegas
 from hf_vegas.attention import active_cache, vegas_attention
 from hf_vegas.cache import VegasCache
 from hf_vegas.config import VegasConfig
@@ -218,3 +219,35 @@ def test_the_oracle_policy_keeps_the_models_layers_in_draft_steps():
             layers = model.model.layers
             assert all(("forward" in layer.__dict__) == patched for layer in layers), policy
         assert not any("forward" in layer.__dict__ for layer in model.model.layers)
+
+
+def test_programmatic_dependent_launch_is_off_where_the_gpu_cannot_take_it():
+    """The CPU interpreter gets no launch option and kernels that never wait (the counterpart of the GPU test
+    below, which runs the same generation with the launches overlapped)."""
+    from hf_vegas_kernels import _launch
+
+    assert not _launch.pdl(torch.device("cpu")) and _launch.pdl_launch(torch.device("cpu")) == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or later")
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_overlapped_launches_in_graphs_change_nothing(monkeypatch, do_sample):
+    """Fused draft layers, verification and dense steps replayed as CUDA graphs whose kernels launch as programmatic
+    dependents give the same tokens and acceptance as the same graphs without (fp32, one seed)."""
+    from hf_vegas_kernels import _launch
+
+    model = tiny_model("llama").to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in ragged_batch([30, 21]))
+    common = dict(attention_mask=mask, max_new_tokens=12, do_sample=do_sample, pad_token_id=0, top_k=0,
+                  custom_generate="vegas", vegas_backend="triton", vegas_cuda_graphs=True, vegas_gamma=3,
+                  vegas_sparsity=0.3, vegas_min_tokens=4, return_dict_in_generate=True)
+    runs = {}
+    for enabled in (1, 0):
+        monkeypatch.setitem(_launch.PDL, "enabled", enabled)
+        assert _launch.pdl(torch.device(DEVICE)) == bool(enabled)
+        torch.manual_seed(3)
+        runs[enabled] = model.generate(ids, **common)
+        hf_vegas.release_graphs(model)  # the next run captures its own graphs
+    assert torch.equal(runs[1].sequences, runs[0].sequences)
+    assert torch.equal(runs[1].accepted, runs[0].accepted)

@@ -57,6 +57,33 @@ LINEAR_TUNED_ROWS = 64
 # 30 layers' top-k took 256 us with 4 warps, 371 with 8 and 373 with 2. The benchmark overrides it to sweep.
 SELECT_TUNING = {"num_warps": 0}
 
+# Programmatic dependent launch (Hopper and later): a kernel of a step's chain (norm, projections, attention) is
+# launched while the one before it finishes, waits for it (`griddepcontrol.wait`) before reading anything, and lets
+# the next one launch once its main loop is done, so the launch latency between the ~7 small kernels of a draft
+# layer overlaps the previous kernel's tail. Every such kernel waits, unconditionally, before its first load: a
+# kernel never runs ahead of one that is still running, however many launched early. The benchmarks switch it off
+# (`--tuning pdl:enabled=0`) to measure it.
+PDL = {"enabled": 1}
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch as programmatic dependents (CUDA, compute capability 9.0 or later)."""
+    if device.type != "cuda" or not PDL["enabled"]:
+        return False
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """The launch option of a kernel whose `USE_GDC` is `pdl(device)` (none at all elsewhere: the CPU interpreter
+    takes no such option)."""
+    return {"launch_pdl": True} if pdl(device) else {}
+
+
 # Under TRITON_INTERPRET=1 on the CPU there are no SMs; split as if a small GPU, so split-K paths are exercised.
 _CPU_PROGRAMS = 4
 

@@ -54,8 +54,10 @@ def _attend_list(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     SPARSE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     EMIT: tl.constexpr, NUM_SCORE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
-    SINGLE: tl.constexpr, HAS_SINKS: tl.constexpr, FUSED_COMBINE: tl.constexpr,
+    SINGLE: tl.constexpr, HAS_SINKS: tl.constexpr, FUSED_COMBINE: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the queries are the previous kernel's output
+        tl.extra.cuda.gdc_wait()
     split = tl.program_id(0)
     row_head = tl.program_id(1)
     num_splits = tl.num_programs(0)
@@ -142,6 +144,8 @@ def _attend_list(
                     mask=in_list[:, None] & (dv[None, :] < V_DIM), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
 
     out_ptr = Out + b * stride_ob + t[:, None] * stride_ot + (kvh * GROUPS + g)[:, None] * stride_oh + dv[None, :]
     lse_ptr = Lse + b * stride_lb + t * stride_lt + kvh * GROUPS + g
@@ -208,7 +212,11 @@ def _combine_splits(
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, V_DIM: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr, SPLIT_BLOCK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the split states are the previous kernel's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # A program merges ROWS_PER_PROGRAM query rows of one (row, KV head): first the maximum over all splits, then
     # the rescaled sums, SPLIT_BLOCK splits per step so that their loads are independent of each other.
     row_head = tl.program_id(0)
@@ -346,8 +354,8 @@ def attend(
         SPARSE=sparse, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
         EMIT=emit, NUM_SCORE_ROWS=score_rows.numel() if emitting else 0,
         BLOCK_E=max(16, triton.next_power_of_2(emit_rows)), PRECISION=_launch.dot_precision(q.dtype),
-        SINGLE=single, HAS_SINKS=sinks is not None, FUSED_COMBINE=fused, num_warps=tuning["num_warps"],
-        num_stages=stages,
+        SINGLE=single, HAS_SINKS=sinks is not None, FUSED_COMBINE=fused, USE_GDC=_launch.pdl(device),
+        num_warps=tuning["num_warps"], num_stages=stages, **_launch.pdl_launch(device),
     )
     if single or fused:
         return out, lse, (emitted if emitting else None)
@@ -360,6 +368,6 @@ def attend(
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         num_tokens, KV_HEADS=kv_heads, GROUPS=groups, V_DIM=v_dim,
         ROWS_PER_PROGRAM=per_program, SPLIT_BLOCK=split_block, BLOCK_DV=block_dv, HAS_SINKS=sinks is not None,
-        num_warps=4,
+        USE_GDC=_launch.pdl(device), num_warps=4, **_launch.pdl_launch(device),
     )
     return out, lse, (emitted if emitting else None)

@@ -61,7 +61,10 @@ def _grouped_linear(
     stride_xm, stride_w0, stride_w1, stride_w2, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the input is the previous kernel's output
+        tl.extra.cuda.gdc_wait()
     n_start = tl.program_id(0) * BLOCK_N  # in the concatenated output (gated: in the gate's columns)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rows < M
@@ -70,6 +73,8 @@ def _grouped_linear(
         n_ok = out_cols < N0
         gate = _tile(X, W0, rows, out_cols, m_ok, n_ok, K, stride_xm, stride_w0, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
         up = _tile(X, W1, rows, out_cols, m_ok, n_ok, K, stride_xm, stride_w1, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        if USE_GDC:
+            tl.extra.cuda.gdc_launch_dependents()
         result = _activate(gate, ACT) * up
     else:
         # Which weight this tile reads: segments are multiples of BLOCK_N, so a tile never straddles two.
@@ -82,6 +87,8 @@ def _grouped_linear(
         cols = out_cols - start
         n_ok = cols < size
         result = _tile(X, W, rows, cols, m_ok, n_ok, K, stride_xm, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        if USE_GDC:
+            tl.extra.cuda.gdc_launch_dependents()
         if HAS_BIAS:
             result += tl.load(B + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_RESIDUAL:  # one rounding of the fp32 sum, as cuBLAS' addmm (beta = 1) rounds
@@ -138,7 +145,8 @@ def _launch_linear(kind, x2, weights, biases, out, act=0, residual=None):
         out.stride(0) if residual is None else residual.stride(0), out.stride(0),
         HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None, GATED=gated, ACT=act, BLOCK_M=setting["block_m"],
         BLOCK_N=block_n, BLOCK_K=setting["block_k"], PRECISION=_launch.dot_precision(x2.dtype),
-        num_warps=setting["num_warps"], num_stages=setting["num_stages"],
+        USE_GDC=_launch.pdl(x2.device), num_warps=setting["num_warps"], num_stages=setting["num_stages"],
+        **_launch.pdl_launch(x2.device),
     )
     return out
 

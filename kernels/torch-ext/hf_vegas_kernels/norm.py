@@ -16,7 +16,11 @@ from . import _launch
 
 
 @triton.jit
-def _rms_norm(X, W, Out, M, K, eps, stride_xm, stride_om, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _rms_norm(X, W, Out, M, K, eps, stride_xm, stride_om, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+              USE_GDC: tl.constexpr):
+    if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the input is the previous kernel's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     k = tl.arange(0, BLOCK_K)
     ok = (rows < M)[:, None] & (k < K)[None, :]
@@ -39,6 +43,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     block_m = max(1, min(16, 4096 // block_k))  # a few rows per program, a bounded tile
     _rms_norm[(triton.cdiv(rows, block_m),)](
         x2, weight, out, rows, width, float(eps), x2.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_K=block_k,
-        num_warps=4,
+        USE_GDC=_launch.pdl(x.device), num_warps=4, **_launch.pdl_launch(x.device),
     )
     return out.reshape(x.shape)

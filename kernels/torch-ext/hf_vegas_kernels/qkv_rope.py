@@ -28,7 +28,10 @@ def _qkv_rope_write(
     stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_slot_b,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the input is the previous kernel's output
+        tl.extra.cuda.gdc_wait()
     head = tl.program_id(0)  # queries, then keys, then values
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # row m = b * T + t
     m_ok = rows < M
@@ -52,6 +55,8 @@ def _qkv_rope_write(
         w2 = tl.load(W + (cols + HALF)[None, :] * stride_w + k[:, None], mask=w_ok, other=0.0)
         acc1 += tl.dot(x, w1.to(x.dtype), input_precision=PRECISION)
         acc2 += tl.dot(x, w2.to(x.dtype), input_precision=PRECISION)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
         acc1 += tl.load(B + cols, mask=j_ok, other=0.0).to(tl.float32)[None, :]
         acc2 += tl.load(B + cols + HALF, mask=j_ok, other=0.0).to(tl.float32)[None, :]
@@ -111,6 +116,7 @@ def qkv_rope_write(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
         v_cache.stride(2), slots.stride(0),
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=half, HAS_BIAS=has_bias, BLOCK_M=block_m,
         BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_K=setting["block_k"],
-        PRECISION=_launch.dot_precision(x.dtype), num_warps=setting["num_warps"], num_stages=setting["num_stages"],
+        PRECISION=_launch.dot_precision(x.dtype), USE_GDC=_launch.pdl(x.device), num_warps=setting["num_warps"],
+        num_stages=setting["num_stages"], **_launch.pdl_launch(x.device),
     )
     return q
