@@ -5,7 +5,8 @@
 
 For each (model shape, batch, context) that fits in memory it measures, with CUDA graphs (launch cost amortised)
 over enough cache copies that the working set exceeds L2:
-  draft      sparse draft decode attention, budget clamp(ceil(0.07 n), 256, n) + a 7-token tail;
+  draft      sparse draft decode attention, budget clamp(ceil(0.07 n), 256, n) + a 7-token tail (`--boost B`:
+             the rows' budgets spread up to B times that, with the split hints the generation gives);
   dense      dense decode attention (1 query token, no scores): "our dense" path;
   verify     verification attention, gamma + 1 = 7 query tokens, without scores, and with scores emitted
              (`logits`: per KV-head sums; `weights`: per query head, for the log-sum-exp rebuild);
@@ -123,16 +124,26 @@ def bench_shape(name, batch, context, dtype, bandwidth, base, write, light=False
     return {"dense": t_dense, "verify": t_verify, "draft": t_draft, "select": t_final + t_topk}
 
 
+BOOST = 1.0  # --boost: the budget boost of the generation's selection (VegasConfig.budget_boost)
+
+
 def _draft_time(q1, caches, slot1, kv_len, context, batch, scaling) -> float:
-    """Sparse draft: the budget's selected slots plus the tail (accepted tokens and drafts since the selection)."""
+    """Sparse draft: the budget's selected slots plus the tail (accepted tokens and drafts since the selection).
+    With a `BOOST` above 1 the rows' budgets spread evenly from the budget to the boosted one, and the kernel gets
+    the hints `SelectionState` gives it (a list bound of the boosted budget, splits no longer than the budget)."""
     sel_end = kv_len - GAMMA - 1
-    count = budget(context - GAMMA - 1)
-    sel_idx = torch.stack([torch.randperm(context - GAMMA - 1, device="cuda")[:count].sort().values
-                           for _ in range(batch)])
-    sel_count = torch.full((batch,), count, device="cuda")
+    candidates = context - GAMMA - 1
+    count = budget(candidates)
+    top = min(math.ceil(count * BOOST), candidates)
+    counts = torch.linspace(count, top, batch).round().long().cuda()
+    sel_idx = torch.zeros(batch, top, dtype=torch.long, device="cuda")
+    for b in range(batch):
+        sel_idx[b, :counts[b]] = torch.randperm(candidates, device="cuda")[:counts[b]].sort().values
+    tail = 2 * GAMMA + 1
+    split_len = count + tail if BOOST > 1 else None
     return graph_time(
-        lambda i: kernels.sparse_draft_attention(q1, *caches[i], slot1, kv_len, sel_idx, sel_count, sel_end,
-                                                 scaling, list_len=count + 2 * GAMMA + 1), len(caches))
+        lambda i: kernels.sparse_draft_attention(q1, *caches[i], slot1, kv_len, sel_idx, counts, sel_end,
+                                                 scaling, list_len=top + tail, split_len=split_len), len(caches))
 
 
 def sweep(name, batch, context, dtype, bandwidth, base, write, draft_only=False):
@@ -146,7 +157,8 @@ def sweep(name, batch, context, dtype, bandwidth, base, write, draft_only=False)
 
     default = {kind: dict(values) for kind, values in _launch.TUNING.items()}
     try:
-        grid = product([32, 64, 128], [2, 4, 8], [2, 3], [0, 1, 2, 4, 8], [False, True])
+        grid = (product([64, 128], [4, 8], [2, 3, 4], [0, 1, 2, 3], [False, True]) if draft_only
+                else product([32, 64, 128], [2, 4, 8], [2, 3], [0, 1, 2, 4, 8], [False, True]))
         for block_n, warps, stages, waves, fused in grid:
             setting = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves,
                        "fused_combine": fused}
@@ -169,6 +181,8 @@ def main() -> None:
     parser.add_argument("--max-gib", type=float, default=40.0, help="skip configurations whose cache exceeds this")
     parser.add_argument("--sweep", action="store_true", help="sweep the attention kernel's launch settings instead")
     parser.add_argument("--draft-only", action="store_true", help="with --sweep: the sparse draft attention only")
+    parser.add_argument("--boost", type=float, default=1.0,
+                        help="draft budgets spread over [budget, boost x budget] with the generation's split hints")
     parser.add_argument("--tuning", nargs="+", default=[], metavar="KIND:KEY=VALUE",
                         help="override a launch setting for this run, e.g. verify:fused_combine=1 sparse:waves=4 "
                              "select:num_warps=4 (recorded with the results)")
@@ -179,12 +193,14 @@ def main() -> None:
         raise SystemExit("benchmarks/kernel_bandwidth.py needs a CUDA GPU.")
     dtype = getattr(torch, args.dtype)
     overrides = apply_tuning(args.tuning)
+    global BOOST
+    BOOST = args.boost
     bandwidth = copy_bandwidth()
     base = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "transformers": transformers.__version__, "hf_vegas": hf_vegas.__version__,
             "commit": args.commit or commit(), "dirty": dirty(), "dtype": args.dtype, "gamma": GAMMA,
             "sparsity": SPARSITY, "min_tokens": MIN_TOKENS, "copy_bandwidth_GBps": bandwidth / 1e9,
-            "read_bandwidth_GBps": read_bandwidth() / 1e9, "tuning_overrides": overrides}
+            "read_bandwidth_GBps": read_bandwidth() / 1e9, "tuning_overrides": overrides, "budget_boost": args.boost}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     records = []
 
