@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _launch, cache_write, norm, qkv_rope, rotary, select
+from . import _launch, cache_write, norm, qkv_rope, select
 from . import scores as emitted_scores
 from .attention import EMIT_GROUP_SUM, EMIT_PER_HEAD, attend
 
@@ -171,18 +171,6 @@ def _(*args, **kwargs):
     return None
 
 
-@torch.library.custom_op("hf_vegas::rope_write_kv", mutates_args=("k_cache", "v_cache"))
-def rope_write_kv(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
-                  q_heads: int, kv_heads: int, head_dim: int) -> Tensor:
-    """Rotate one forward's fused projections, write the keys and values at `slots`; returns the rotated queries."""
-    return rotary.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, head_dim)
-
-
-@rope_write_kv.register_fake
-def _(qkv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, head_dim):
-    return qkv.new_empty(qkv.shape[0], qkv.shape[1], q_heads, head_dim)
-
-
 @torch.library.custom_op("hf_vegas::qkv_rope_write", mutates_args=("k_cache", "v_cache"))
 def qkv_rope_write(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, bq: Tensor | None, bk: Tensor | None,
                    bv: Tensor | None, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
@@ -209,5 +197,5 @@ def _(x, weight, eps):
     return x.new_empty(x.shape)
 
 
-__all__ = ["dense_attention", "finalize_scores", "qkv_rope_write", "rms_norm", "rope_write_kv", "select_topk",
+__all__ = ["dense_attention", "finalize_scores", "qkv_rope_write", "rms_norm", "select_topk",
            "sparse_draft_attention", "verify_attention", "write_kv"]

@@ -1,15 +1,16 @@
 """A fused draft layer's q/k/v projection, rotary embedding and cache write in one launch (`hf_vegas.draft_layers`).
 
-Separately these are two launches per layer (`linear.qkv_linear`, then `rotary.rope_write_kv`), ~3.2 and ~2.2 us at a
-SmolLM2 draft step of 64 rows on an H100, plus the gap between them in the graph. Here a program owns one head (of
-the queries, keys or values) for `BLOCK_M` rows: it computes the head's two halves as two products that share each
-input tile, rotates them in fp32 (the `rotate_half` convention: `(x1 cos1 - x2 sin1, x2 cos2 + x1 sin2)`), and
-stores the queries to the output and the keys and values into their cache slots.
+Separately these were two launches per layer (`linear.qkv_linear`, then a rotary + cache-write kernel): 5.9 us at a
+SmolLM2 draft step of 64 rows on an H100 against 4.9 for this one (`benchmarks/projections.py`, commit c911040).
+Here a program owns one head (of the queries, keys or values) for `BLOCK_M` rows: it computes the head's two halves
+as two products that share each input tile, rotates them in fp32 (the `rotate_half` convention:
+`(x1 cos1 - x2 sin1, x2 cos2 + x1 sin2)`), and stores the queries to the output and the keys and values into their
+cache slots.
 
-The projection is never rounded before the rotation (the two-launch path rounds it once to the model's dtype), so
-half-precision results may differ from it by that rounding: a draft's keys and values are rewritten by the
-verification with the model's own layers, and drafts only decide how many tokens are accepted. Semantics:
-`hf_vegas.ops.reference.qkv_rope_write` (in fp32 the two paths agree to summation order).
+The projection is never rounded before the rotation (the model rounds it once to its dtype), so half-precision
+results may differ from the model's by that rounding: a draft's keys and values are rewritten by the verification
+with the model's own layers, and drafts only decide how many tokens are accepted. Semantics:
+`hf_vegas.ops.reference.qkv_rope_write` (in fp32 it agrees with the model's layers to summation order).
 """
 
 from __future__ import annotations
