@@ -179,6 +179,29 @@ def test_verify_attention_emits_collect_2_query_scores(head_dim, q_heads, kv_hea
 
 
 @pytest.mark.parametrize("score", ["logits", "weights"])
+def test_half_precision_verification_emits_fp16_logits(score):
+    """Half-precision queries emit fp16 logits (half the bytes of the verification's largest write), which rank the
+    candidates as fp32 ones do to fp16's precision; a logit past fp16's range saturates instead of turning
+    infinite. (The interpreter computes fp16 products correctly, unlike bf16 ones.)"""
+    case = make_case(LENGTHS, [6] * 3, 7, 64, 6, 2, dtype=torch.float16, seed=11)
+    f32 = dataclasses.replace(case, q=case.q.float(), k=case.k.float(), v=case.v.float())  # same rounded inputs
+    rows = torch.tensor([0, 6], device=DEVICE)
+    args = (case.k, case.v, case.q_slot, case.kv_len, case.scaling, rows, score)
+    _, emitted, lse = kernels.verify_attention(case.q, *args)
+    assert emitted.dtype == torch.float16
+    got = kernels.finalize_scores(emitted, lse, rows, case.sel_end, 6, score == "weights", True)[:, 0]
+    want = _expected_scores(f32, rows, score, None).mean(dim=1)
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite)
+    tol = {"atol": 1e-4, "rtol": 1e-2} if score == "weights" else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(got[finite], want[finite], **tol)
+    # Logits of ~1e5: saturated at fp16's largest finite value, never inf (which would rank every slot alike).
+    _, loud, _ = kernels.verify_attention(case.q.sign() * 30000, *args)
+    read = loud[..., :case.kv_len.min()]
+    assert torch.isfinite(read).all() and read.abs().max() == torch.finfo(torch.float16).max
+
+
+@pytest.mark.parametrize("score", ["logits", "weights"])
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS[:2])
 def test_verify_attention_inside_a_window_emits_the_window_candidates(head_dim, q_heads, kv_heads, score):
     """A windowed sparse layer's verification reads (and emits) from its forward's first visible slot; its

@@ -131,7 +131,8 @@ def verify_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, s
     log-sum-exp over the slots it sees, sinks included; `finalize_scores` reads the scored rows' only, which are all
     the plain ops compute (the other rows hold NaN; the kernels fill every row, at no extra cost). What `emitted`
     holds for slots the op does not read is unspecified (the kernels read from a window's start on);
-    `finalize_scores` reads the candidates only.
+    `finalize_scores` reads the candidates only. `emitted` is fp32 here; the kernels emit fp16 for half-precision
+    queries (half the bytes; the ranking it feeds is unchanged but for near-ties).
     """
     out = dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, window, softcap, sinks)
     row_logits = _logits(q[:, :, score_rows], k_cache, scaling, softcap)

@@ -53,7 +53,8 @@ def _attend_list(
     KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     SPARSE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    EMIT: tl.constexpr, NUM_SCORE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+    EMIT: tl.constexpr, EMIT_HALF: tl.constexpr, NUM_SCORE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+    PRECISION: tl.constexpr,
     SINGLE: tl.constexpr, HAS_SINKS: tl.constexpr, FUSED_COMBINE: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the queries are the previous kernel's output
@@ -130,7 +131,10 @@ def _attend_list(
             emitted = tl.dot(emit_q, tl.trans(k), input_precision=PRECISION) * scaling
             if HAS_SOFTCAP:
                 emitted = _tanh(emitted / softcap) * softcap
-            tl.store(emit_base + slot[None, :], emitted, mask=e_ok[:, None] & in_list[None, :])
+            if EMIT_HALF:  # fp16 holds +-65504: a larger logit is saturated, not made infinite
+                emitted = tl.minimum(tl.maximum(emitted, -65504.0), 65504.0)
+            tl.store(emit_base + slot[None, :], emitted.to(Emit.dtype.element_ty),
+                     mask=e_ok[:, None] & in_list[None, :])
         visible = in_list[None, :] & (slot[None, :] <= q_slot[:, None])
         if HAS_WINDOW:
             visible = visible & (slot[None, :] > q_slot[:, None] - window)
@@ -256,6 +260,13 @@ def _combine_splits(
              tl.where(seen, top + tl.log(tl.where(seen, l_total, 1.0)), float("-inf")), mask=m_ok)
 
 
+def emit_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of emitted logits: fp32 for fp32 queries (exact, as the reference), else fp16. Emission is the largest
+    write of a verification (SmolLM2 at 64 x 7.5K, softmax-weight scores: 36 MB per layer in fp32), and its ranking
+    needs no more than fp16's 11 bits (bf16's 8 would move weights by up to ~10 %)."""
+    return torch.float32 if q_dtype == torch.float32 else torch.float16
+
+
 def _num_splits(list_len: int, programs: int, block_n: int, waves: float, device, nearest: bool = False,
                 split_len: int | None = None):
     """(splits, chunk): enough programs to fill the GPU `waves` times (rounded up, or to the nearest count), each
@@ -279,7 +290,8 @@ def attend(
     split_len: int | None = None,
 ):
     """Attention of `q` `(B, Hq, T, D)` over each row's slot list. Returns `(out (B, T, Hq, Dv), lse (B, T, Hq),
-    emitted)`; `emitted` is `(B, R, heads, S)` fp32 logits of the `score_rows` (R of them), indexed by slot, or None.
+    emitted)`; `emitted` is `(B, R, heads, S)` logits of the `score_rows` (R of them), indexed by slot, or None, in
+    `emit_dtype(q.dtype)`.
     `sinks` `(Hq,)`: one logit per query head in each softmax's denominator (the log-sum-exp includes it).
 
     `list_len` is a host-side bound on the list length used to size the splits (a wrong bound is only slower).
@@ -328,7 +340,7 @@ def attend(
     emitting = emit != EMIT_NONE
     if emitting:
         heads = kv_heads if emit == EMIT_GROUP_SUM else q_heads
-        emitted = _launch.empty(batch, score_rows.numel(), heads, num_slots, **f32)
+        emitted = _launch.empty(batch, score_rows.numel(), heads, num_slots, dtype=emit_dtype(q.dtype), device=device)
         score_rows_or_any = score_rows
         emit_rows = score_rows.numel() * (1 if emit == EMIT_GROUP_SUM else groups)
     else:
@@ -352,7 +364,7 @@ def attend(
         KV_HEADS=kv_heads, GROUPS=groups, HEAD_DIM=head_dim, V_DIM=v_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         SPARSE=sparse, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        EMIT=emit, NUM_SCORE_ROWS=score_rows.numel() if emitting else 0,
+        EMIT=emit, EMIT_HALF=emitted.dtype == torch.float16, NUM_SCORE_ROWS=score_rows.numel() if emitting else 0,
         BLOCK_E=max(16, triton.next_power_of_2(emit_rows)), PRECISION=_launch.dot_precision(q.dtype),
         SINGLE=single, HAS_SINKS=sinks is not None, FUSED_COMBINE=fused, USE_GDC=_launch.pdl(device),
         num_warps=tuning["num_warps"], num_stages=stages, **_launch.pdl_launch(device),

@@ -14,7 +14,7 @@ import torch
 
 from . import _launch, cache_write, norm, qkv_rope, select
 from . import scores as emitted_scores
-from .attention import EMIT_GROUP_SUM, EMIT_PER_HEAD, attend
+from .attention import EMIT_GROUP_SUM, EMIT_PER_HEAD, attend, emit_dtype
 
 Tensor = torch.Tensor
 
@@ -96,7 +96,8 @@ def verify_attention(
     """Dense (optionally windowed) attention that also emits the logits of the query rows `score_rows` for every slot
     it reads (a windowed layer reads, and emits, from the first slot any of the forward's queries sees).
 
-    Returns `(out (B, T, Hq, Dv), emitted (B, R, heads, S), lse (B, T, Hq))`, for `finalize_scores`:
+    Returns `(out (B, T, Hq, Dv), emitted (B, R, heads, S), lse (B, T, Hq))`, for `finalize_scores` (`emitted` in
+    fp32 for fp32 queries, else fp16: `attention.emit_dtype`):
     `score="logits"` emits per-KV-head group sums (heads = Hkv), as logits are linear in the query; softmax weights,
     and soft-capped logits, need every query head's own logits (heads = Hq). With `sinks` the log-sum-exp includes
     them, so the weights are the layer's own attention weights.
@@ -114,9 +115,9 @@ def _(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, score, softcap=N
       list_len=None):
     batch, q_heads, tokens, _ = q.shape
     heads = k_cache.shape[2] if _emit_kind(score, softcap) == EMIT_GROUP_SUM else q_heads
-    f32 = dict(dtype=torch.float32)
-    return (_out_like(q, v_cache), q.new_empty(batch, score_rows.shape[0], heads, k_cache.shape[1], **f32),
-            q.new_empty(batch, tokens, q_heads, **f32))
+    return (_out_like(q, v_cache),
+            q.new_empty(batch, score_rows.shape[0], heads, k_cache.shape[1], dtype=emit_dtype(q.dtype)),
+            q.new_empty(batch, tokens, q_heads, dtype=torch.float32))
 
 
 @torch.library.custom_op("hf_vegas::finalize_scores", mutates_args=("out",))

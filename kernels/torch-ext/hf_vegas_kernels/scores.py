@@ -31,7 +31,7 @@ def _finalize_scores(
         if HAS_WINDOW:  # a candidate the row's window has left scores 0 for it (no weight; logits masked to 0)
             seen = seen & (slot > tl.load(QSlot + b * stride_qb + t_r) - window)[None, :]
         values = tl.load(Emit + b * stride_eb + r * stride_er + h[:, None] * stride_eh + slot[None, :],
-                         mask=seen, other=0.0)  # every emitted head of this row at once
+                         mask=seen, other=0.0).to(tl.float32)  # every emitted head of this row at once
         if WEIGHTS:  # softmax weight of head h: exp(logit - that head's log-sum-exp over the row)
             lse = tl.load(Lse + b * stride_lb + t_r * stride_lt + h, mask=h_ok, other=0.0)
             values = tl.where(seen, tl.exp(values - lse[:, None]), 0.0)
