@@ -66,6 +66,33 @@ def check_model(model) -> None:
         raise ValueError("hf_vegas needs causal attention; this config sets use_bidirectional_attention=True.")
     if model.training:
         raise ValueError("hf_vegas runs inference only: call model.eval() before generate.")
+    check_one_device(model)
+
+
+def _placement(where) -> str:
+    """One name per device of a `device_map` value or a tensor's device (an int, or "cuda:1", is an accelerator)."""
+    if isinstance(where, int):
+        return f"accelerator {where}"
+    if where == "disk":
+        return "disk"
+    device = torch.device(where)
+    return device.type if device.type in ("cpu", "meta") else f"accelerator {device.index or 0}"
+
+
+def check_one_device(model) -> None:
+    """Refuse a model spread over several devices (accelerate's `device_map` over GPUs, or offload to the CPU or
+    disk): a generation keeps its cache's step plan and selection on one device, and every layer's attention reads
+    them. Tensor parallelism (`tp_plan="auto"`) keeps each rank's shard on its own device, and passes."""
+    placed = {_placement(where) for where in (getattr(model, "hf_device_map", None) or {}).values()}
+    held = {_placement(t.device) for t in (*model.parameters(), *model.buffers())}
+    if len(placed) > 1 or len(held) > 1:
+        spread = sorted(placed if len(placed) > 1 else held)
+        raise ValueError(
+            f"hf_vegas runs a model on one device, but this one is spread over {', '.join(spread)} (a `device_map` "
+            "over several devices, or offloading): a generation keeps its step plan and selection on one device. "
+            "Load it on one device (e.g. `device_map={'': 0}`), or split it over GPUs with tensor parallelism: "
+            "`from_pretrained(..., tp_plan='auto')` under `torchrun` (README, 'Multi-GPU')."
+        )
 
 
 def check_synced_gpus(model, requested: bool | None) -> None:

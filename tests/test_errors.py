@@ -179,6 +179,37 @@ def test_training_mode_is_refused(model_and_counter):
     assert forwards == []
 
 
+@pytest.mark.parametrize("device_map", [
+    {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1, "lm_head": 1},
+    {"model.embed_tokens": "cuda:0", "model.layers": "cuda:0", "model.norm": "cpu", "lm_head": "cpu"},
+    {"": 0, "lm_head": "disk"},
+])
+def test_a_model_spread_over_several_devices_is_refused(model_and_counter, device_map):
+    """accelerate's `device_map` over several GPUs, or offloading to the CPU or disk (the map accelerate leaves on the
+    model), is refused before any forward, pointing to one device or tensor parallelism; on one device it runs."""
+    model, forwards = model_and_counter
+    model.hf_device_map = device_map
+    with pytest.raises(ValueError, match="spread over .* tensor parallelism"):
+        hf_vegas.generate(model, IDS, attention_mask=MASK, max_new_tokens=5, pad_token_id=0)
+    with pytest.raises(ValueError, match="spread over .* tensor parallelism"):
+        assisted_generate(model, IDS[1:, -12:], max_new_tokens=5, pad_token_id=0)
+    with pytest.raises(ValueError, match="spread over"):
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, pad_token_id=0, custom_generate="vegas")
+    assert forwards == []
+    model.hf_device_map = {"": "cpu"}
+    model.generate(IDS, attention_mask=MASK, max_new_tokens=3, pad_token_id=0, custom_generate="vegas")
+    assert forwards
+
+
+def test_weights_left_on_another_device_are_refused(model_and_counter):
+    """Without a device map: parameters on two devices (here one layer left on "meta", as offloading leaves it)."""
+    model, forwards = model_and_counter
+    model.model.layers[1].to("meta")
+    with pytest.raises(ValueError, match="spread over cpu, meta"):
+        model.generate(IDS, attention_mask=MASK, max_new_tokens=5, pad_token_id=0, custom_generate="vegas")
+    assert forwards == []
+
+
 def test_encoder_decoder_is_refused():
     from transformers import T5Config, T5ForConditionalGeneration
 
