@@ -44,6 +44,12 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
         )
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"HF's assisted decoding runs batch 1; got input_ids of shape {tuple(input_ids.shape)}.")
+    chunk = kwargs.get("prefill_chunk_size", getattr(kwargs.get("generation_config"), "prefill_chunk_size", None))
+    if chunk is not None:
+        raise ValueError(
+            f"`prefill_chunk_size={chunk!r}` runs in hf_vegas.generate; in HF's assisted loop the drafter prefills "
+            "the prompt in one forward. Remove it, or use hf_vegas.generate."
+        )
     validation.check_synced_gpus(model, kwargs.get("synced_gpus"))
     validation.check_model(model)
     capacity = input_ids.shape[1] + max_new_tokens + 2 * config.gamma + 1

@@ -94,7 +94,7 @@ def vegas_attention_forward(
     kv_len = plan.attend_lengths
     # A layer may attend more than once per forward (DiffLlama: two value halves over the same keys and queries).
     # The scores depend on queries and keys only, so the layer selects at its first call.
-    selecting = sparse and sel.selecting(plan.mode) and layer not in sel.selected_layers
+    selecting = sparse and sel.choosing and layer not in sel.selected_layers
     if selecting:
         sel.selected_layers.add(layer)
     if plan.mode == "draft" and sparse:
@@ -110,7 +110,8 @@ def vegas_attention_forward(
         _select_from_emitted(cache, ops, layer, emitted, lse, query.shape[1], sliding_window)
         return out, None
     if plan.prefill_left_pad is not None and softcap is None and sinks is None:
-        out = prefill.causal_per_row(query, key, value, plan.prefill_left_pad, scaling, sliding_window)
+        out = prefill.causal_per_row(query, key, value, plan.prefill_left_pad, scaling, sliding_window,
+                                     plan.prefill_start)
     else:
         out = ops.dense_attention(query, key, value, plan.query_slots, kv_len, scaling, **extra)
     if selecting:
@@ -119,8 +120,8 @@ def vegas_attention_forward(
 
 
 # Query rows per KV head the kernels take in one tile. Longer forwards (prefills) run one causal (or banded, for a
-# sliding window) SDPA call per row (`ops/prefill.py`), or the plain-PyTorch ops when a prefill does not start from
-# an empty cache or the layer has a soft cap or sinks.
+# sliding window) SDPA call per row after the tokens the row already holds (`ops/prefill.py`), or the plain-PyTorch
+# ops when the layer has a soft cap or sinks.
 MAX_KERNEL_QUERY_ROWS = 64
 
 

@@ -134,11 +134,12 @@ class VegasCache(Cache):
         self.selection = SelectionState(vegas_config, len(types), windows, batch_size, capacity, self.device)
 
     # -- step protocol -------------------------------------------------------------------------------------------
-    def begin(self, mode: str, left_pad: torch.Tensor | None = None, verify_end: torch.Tensor | None = None) -> None:
+    def begin(self, mode: str, left_pad: torch.Tensor | None = None, verify_end: torch.Tensor | None = None,
+              selects: bool = True) -> None:
         """Declare what the next forward is (`StepPlan.begin`); a draft needs a selection to read."""
         if mode == "draft" and not self.selection.has_selection:
             raise RuntimeError("A draft forward needs a selection: run a prefill or verify forward first.")
-        self.plan.begin(mode, left_pad, verify_end)
+        self.plan.begin(mode, left_pad, verify_end, selects)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self.begin_layer(layer_idx, key_states.shape[2])

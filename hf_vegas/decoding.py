@@ -164,6 +164,7 @@ class _Loop:
         self.cache, self.streamer, self.recorder = cache, streamer, recorder
         config = cache.vegas_config
         self.do_sample = bool(gen_config.do_sample)
+        self.prefill_chunk_size = getattr(gen_config, "prefill_chunk_size", None)
         self.runner = StepRunner(model, cache, processors, self.do_sample, graphs=step_graphs)
         # `gamma="auto"`: a controller picks each iteration's gamma (`hf_vegas.auto_gamma`); `gammas` records them.
         # Its times carry over to the next call of the same bucket and decoding (the graphs' keys say which).
@@ -204,7 +205,7 @@ class _Loop:
             cached = prefix.get_seq_length()
             prompt_cache.load(self.cache, prefix, self.left_pad)
         remaining_pad = (self.left_pad - cached).clamp_min(0)
-        logits = self.runner.prefill(prompt[:, cached:], left_pad=remaining_pad)
+        logits = self.runner.prefill(prompt[:, cached:], left_pad=remaining_pad, chunk_size=self.prefill_chunk_size)
         scores = self.pipeline(self.tokens, self.history, logits[:, -1])
         first = choose(scores, self.do_sample)
         self.pending = first

@@ -48,11 +48,26 @@ class StepRunner:
             self.cache.selection.gamma = gamma
 
     # -- the forwards --------------------------------------------------------------------------------------------
-    def prefill(self, inputs: torch.Tensor, left_pad: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill(self, inputs: torch.Tensor, left_pad: torch.Tensor | None = None,
+                chunk_size: int | None = None) -> torch.Tensor:
         """Full attention over `inputs` (token ids, or `(B, T, hidden)` embeddings), after what the cache holds;
-        `left_pad` counts each row's leading pads. Returns the last position's logits `(B, 1, V)`."""
-        self.cache.begin("prefill", left_pad)
-        return self.call_model(inputs, 1, left_pad)
+        `left_pad` counts each row's leading pads. Returns the last position's logits `(B, 1, V)`.
+
+        `chunk_size` (`GenerationConfig.prefill_chunk_size`): forwards of at most that many positions, one after the
+        other, so the activations of a long prompt take a chunk's memory, not the prompt's; only the last chunk
+        chooses the first selection (it scores the prompt from its last row, as one forward would)."""
+        width = inputs.shape[1]
+        if chunk_size is None or width <= chunk_size:
+            self.cache.begin("prefill", left_pad)
+            return self.call_model(inputs, 1, left_pad)
+        pads = left_pad if left_pad is not None else torch.zeros(inputs.shape[0], dtype=torch.long,
+                                                                 device=inputs.device)
+        for begin in range(0, width, chunk_size):
+            piece = inputs[:, begin:begin + chunk_size]
+            chunk_pad = (pads - begin).clamp(0, piece.shape[1])  # the pads of each row left in this chunk
+            self.cache.begin("prefill", chunk_pad, selects=begin + chunk_size >= width)
+            logits = self.call_model(piece, 1, chunk_pad)
+        return logits
 
     def draft(self, pending: torch.Tensor, tokens: torch.Tensor, history: list[int],
               start: torch.Tensor | None = None, keep_scores: bool = True):

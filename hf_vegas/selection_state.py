@@ -64,6 +64,8 @@ class SelectionState:
         self.scored_layers: list[int] = []
         # Layers that already chose their selection in this forward (a layer may attend twice: DiffLlama).
         self.selected_layers: set[int] = set()
+        # Whether the current forward chooses the next draft's slots (`prepare`).
+        self.choosing = False
 
     def selecting(self, mode: str) -> bool:
         """Whether a forward of `mode` chooses the next draft's slots (prefill and verify, when drafting at all)."""
@@ -76,7 +78,8 @@ class SelectionState:
         self.scored_layers = []
         self.selected_layers = set()
         self.score_rows = None
-        if not self.selecting(plan.mode):
+        self.choosing = self.selecting(plan.mode) and plan.selects
+        if not self.choosing:
             return
         pending_row = max(num_tokens - self.gamma - 1, 0)
         if plan.mode == "prefill":

@@ -39,19 +39,25 @@ class StepPlan:
         self.write_start = torch.zeros(batch_size, **long)
         self.write_slots = torch.zeros(batch_size, 1, **long)
         self.query_slots = torch.zeros(batch_size, 1, **long)
-        # A prefill into an empty cache lets attention run one causal call per row; the host needs the pads for it
-        # (one synchronisation per prefill, never in the draft/verify steps).
+        # A prefill runs one SDPA call per row, after the tokens the row already holds; the host needs each row's
+        # pads and start for it (one synchronisation per prefill forward, never in the draft/verify steps).
         self.prefill_left_pad: list[int] | None = None
+        self.prefill_start: list[int] | None = None
         self.mode = "verify"
+        # Whether this forward chooses the next draft's slots (a chunked prefill's chunks before the last do not).
+        self.selects = True
 
-    def begin(self, mode: str, left_pad: torch.Tensor | None = None, verify_end: torch.Tensor | None = None) -> None:
+    def begin(self, mode: str, left_pad: torch.Tensor | None = None, verify_end: torch.Tensor | None = None,
+              selects: bool = True) -> None:
         """Declare the next forward. `left_pad` (prefill only) counts each row's leading pad tokens; `verify_end`
         (verify only) is where each row's verified tokens end: the forward's last token lands in slot
         `verify_end - 1`, whatever prefix of the sequence the caller re-feeds (HF's assisted loop feeds the whole
-        prompt with its first verification)."""
+        prompt with its first verification). `selects=False`: a prefill chunk followed by more, which leaves the
+        selection to the last one."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
+        self.selects = selects
         if left_pad is not None:
             self.left_pad.copy_(left_pad)
         elif self._left_pad_set:  # zeroed once after a padded prefill, not before every draft step
@@ -75,9 +81,9 @@ class StepPlan:
         self.query_slots = slots.clamp_min(0)  # pad queries look at slot 0 only so their softmax stays finite
         self.lengths.copy_(self.write_start + (num_tokens - self.left_pad))
         self.attend_lengths = torch.where(self.row_active, self.lengths, 0)
-        self.prefill_left_pad = None
-        if self.mode == "prefill" and not bool(self.write_start.any()):
-            self.prefill_left_pad = self.left_pad.tolist()
+        self.prefill_left_pad = self.prefill_start = None
+        if self.mode == "prefill":
+            self.prefill_left_pad, self.prefill_start = self.left_pad.tolist(), self.write_start.tolist()
 
     def rollback(self, new_lengths: torch.Tensor) -> None:
         """Set each row's committed length (drops rejected draft tokens; their slots are overwritten later)."""

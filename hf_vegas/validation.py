@@ -32,7 +32,6 @@ EQUIVALENT_CACHES = (None, "dynamic", "static")
 NOT_HONOURED = (
     ("cache_config", "hf_vegas builds its own static cache (no quantised or offloaded cache); remove it."),
     ("compile_config", "vanilla's automatic compilation is replaced by `vegas_compile=True`; remove it."),
-    ("prefill_chunk_size", "the prompt is prefilled in one forward; remove it."),
     ("continuous_batching_config", "continuous batching is vanilla's own engine; remove it."),
 )
 
@@ -150,6 +149,10 @@ def check_generation_config(generation_config, logits_processor=None) -> None:
     for name, instead in NOT_HONOURED:
         if getattr(generation_config, name, None) is not None:
             raise ValueError(f"`{name}` is not supported by hf_vegas: {instead}")
+    chunk = getattr(generation_config, "prefill_chunk_size", None)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"`prefill_chunk_size` must be a positive integer (prompt positions per prefill forward) or "
+                         f"None, got {chunk!r}.")
     guidance = generation_config.guidance_scale
     if (guidance is not None and guidance != 1) or any(
         isinstance(p, UnbatchedClassifierFreeGuidanceLogitsProcessor) for p in (logits_processor or [])

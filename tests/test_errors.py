@@ -58,7 +58,8 @@ BAD = [
     (dict(dola_layers="high"), "dola_layers"),
     (dict(assistant_early_exit=2), "assistant_early_exit"),
     (dict(force_words_ids=[[3]]), "force_words_ids"),
-    (dict(prefill_chunk_size=8), "prefill_chunk_size"),
+    (dict(prefill_chunk_size=0), "prefill_chunk_size"),
+    (dict(prefill_chunk_size=2.5), "prefill_chunk_size"),
     (dict(synced_gpus=True), "synced_gpus"),
     (dict(token_type_ids=torch.zeros_like(IDS)), "token_type_ids"),
 ]
@@ -199,6 +200,13 @@ def test_a_model_spread_over_several_devices_is_refused(model_and_counter, devic
     model.hf_device_map = {"": "cpu"}
     model.generate(IDS, attention_mask=MASK, max_new_tokens=3, pad_token_id=0, custom_generate="vegas")
     assert forwards
+
+
+def test_hf_assisted_loop_refuses_a_chunked_prefill(model_and_counter):
+    model, forwards = model_and_counter
+    with pytest.raises(ValueError, match="prefill_chunk_size=8"):
+        assisted_generate(model, IDS[1:, -12:], max_new_tokens=5, pad_token_id=0, prefill_chunk_size=8)
+    assert forwards == []
 
 
 def test_weights_left_on_another_device_are_refused(model_and_counter):

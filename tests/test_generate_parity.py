@@ -71,6 +71,7 @@ HONOURED_QUIETLY = {
     "forced_bos_token_id": dict(forced_bos_token_id=7),  # forces the first token of an empty history only
     "disable_compile": dict(disable_compile=True),
     "low_memory": dict(low_memory=True),
+    "prefill_chunk_size": dict(prefill_chunk_size=8),  # the prompt in forwards of 8 positions, vanilla's as ours
 }
 # Read by vanilla only in decoding modes hf_vegas refuses (beams, an assistant model, encoder-decoder models): without
 # them vanilla ignores the field, and so does hf_vegas. The test checks both outputs equal the output without it.
@@ -116,7 +117,6 @@ REFUSED = {
     "output_hidden_states": dict(output_hidden_states=True),
     "cache_config": dict(cache_implementation="static", cache_config={"max_batch_size": 2}),
     "compile_config": dict(compile_config=CompileConfig()),
-    "prefill_chunk_size": dict(prefill_chunk_size=8),
     "continuous_batching_config": dict(continuous_batching_config={}),
 }
 # Need a tokenizer: tested on the real SmolLM2 (module, test).
