@@ -42,10 +42,14 @@ from step_timer import FirstTokenClock, IterationTimes
 
 METHODS = ("hf", "dense", "vegas", "streaming")
 DECODINGS = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=0)}
+# Generation settings every method gets (`--prefill-chunk`: `prefill_chunk_size`, for prompts whose one-shot prefill
+# does not fit beside the cache).
+COMMON_GENERATE: dict = {}
 
 
 def run_hf(model, ids, mask, new_tokens, decoding) -> tuple[dict, torch.Tensor]:
-    common = dict(attention_mask=mask, max_new_tokens=new_tokens, cache_implementation="static", **DECODINGS[decoding])
+    common = dict(attention_mask=mask, max_new_tokens=new_tokens, cache_implementation="static", **DECODINGS[decoding],
+                  **COMMON_GENERATE)
     model.generate(ids, **common)  # compiles the decode step for this shape
     clock = FirstTokenClock()
     torch.manual_seed(0)
@@ -63,7 +67,7 @@ def run_hf(model, ids, mask, new_tokens, decoding) -> tuple[dict, torch.Tensor]:
 
 def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfig) -> dict:
     common = dict(attention_mask=mask, max_new_tokens=new_tokens, custom_generate="vegas", vegas_config=config,
-                  return_dict_in_generate=True, **DECODINGS[decoding])
+                  return_dict_in_generate=True, **DECODINGS[decoding], **COMMON_GENERATE)
     model.generate(ids, **common)  # warm-up: Triton compiles, graphs captured (kept for the timed call)
     timer = IterationTimes()
     torch.manual_seed(0)
@@ -105,7 +109,7 @@ def fp32_greedy(workload, ids, mask, new_tokens) -> torch.Tensor:
     hf_vegas.release_graphs()
     model, _ = workloads.load_model(workload.model, ids.shape[1] + new_tokens, torch.float32)
     try:
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, **COMMON_GENERATE)
     finally:
         del model
         torch.cuda.empty_cache()
@@ -206,6 +210,8 @@ def main() -> None:
     parser.add_argument("--fp32-reference", action="store_true",
                         help="also measure each greedy method's first divergence from vanilla fp32 greedy tokens")
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
+    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                        help="prefill_chunk_size=N for every method: prompts prefilled N positions at a time")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--tuning", nargs="+", default=[], metavar="KIND:KEY=VALUE",
                         help="override a kernel launch setting for this run, e.g. sparse:fused_combine=1 (recorded)")
@@ -223,12 +229,17 @@ def main() -> None:
     plan = [workloads.parse_workload(w) for w in args.workloads]  # bad input fails before any GPU work
     inductor = _inductor_options(args.inductor)
     tuning = apply_tuning(args.tuning)
+    if args.prefill_chunk is not None:
+        if args.prefill_chunk < 1:
+            raise SystemExit(f"--prefill-chunk must be a positive integer, got {args.prefill_chunk}")
+        COMMON_GENERATE["prefill_chunk_size"] = args.prefill_chunk
     plan.sort(key=lambda w: not w.real_weights)  # real models first: the projections need their tokens/iteration
 
     bandwidth = read_bandwidth()
     base = gpu_run(args.commit, transformers=transformers.__version__, hf_vegas=hf_vegas.__version__,
                    dtype="bfloat16", read_bandwidth_GBps=bandwidth / 1e9,
-                   **({"inductor": inductor} if inductor else {}), **({"tuning_overrides": tuning} if tuning else {}))
+                   **({"inductor": inductor} if inductor else {}), **({"tuning_overrides": tuning} if tuning else {}),
+                   **COMMON_GENERATE)
     for option, value in inductor.items():
         setattr(torch._inductor.config, option, value)
     texts = None
