@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import validation
+from . import tensor_parallel, validation
 from ._compat import internals as compat
 from .attention import active_cache, vegas_attention
 from .cache import VegasCache
@@ -56,6 +56,7 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
     validation.check_layers(model, capacity, config)
     backend_name = backend.resolve_backend(config.backend, input_ids.device, model.dtype)
     cache = VegasCache(model.config, 1, capacity, config, device=input_ids.device, backend=backend_name)
+    cache.selection.pool_over(tensor_parallel.score_group(model) if config.selection_heads == "all" else None)
 
     def drafter(generation_config, logits_processor):
         return VegasCandidateGenerator(model, cache, logits_processor, bool(generation_config.do_sample))

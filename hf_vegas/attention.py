@@ -154,7 +154,10 @@ def _flush_scored(cache: VegasCache, layer: int) -> None:
         layers = sel.sparse_layer_index
     else:
         layers = torch.tensor(sel.scored_layers, device=sel.sparse_layer_index.device)
-    cache.ops.select_topk(sel.layer_scores(0), sel.sel_count, sel.sel_end, sel.buffer(), layers=layers)
+    scores = sel.layer_scores(0)
+    if sel.group is not None:  # `selection_heads="all"`: the scored layers' scores averaged over the TP ranks
+        scores.index_copy_(0, layers, sel.pool(scores.index_select(0, layers)))
+    cache.ops.select_topk(scores, sel.sel_count, sel.sel_end, sel.buffer(), layers=layers)
     sel.scored_layers = []
 
 
@@ -187,14 +190,14 @@ def _select_for_the_draft_query(cache: VegasCache, ops, layer: int, query, key, 
     plan, sel = cache.plan, cache.selection
     scores = cache.torch_ops.row_scores(query, key, plan.query_slots, plan.lengths, sel.sel_end, scaling, "weights",
                                         **extra, cand_start=sel.cand_start[layer])
-    ops.select_topk(scores[:, 0], sel.sel_count[layer], sel.sel_end, sel.buffer()[layer])
+    ops.select_topk(sel.pool(scores[:, 0].contiguous()), sel.sel_count[layer], sel.sel_end, sel.buffer()[layer])
 
 
 def select_from_rows(cache: VegasCache, rows: torch.Tensor) -> None:
     """A deferring policy (`last_token`): select, per row `b`, from the scores of verify row `rows[b]`."""
     sel = cache.selection
     for layer, scores in sel.row_scores.items():
-        picked = scores[cache.plan.row_index, rows]  # (B, S)
+        picked = sel.pool(scores[cache.plan.row_index, rows])  # (B, S)
         cache.ops.select_topk(picked, sel.sel_count[layer], sel.sel_end, sel.buffer()[layer])
     sel.row_scores.clear()
 

@@ -17,6 +17,7 @@ from . import selection
 SCORES = ("logits", "weights")
 POLICIES = tuple(selection.POLICIES)  # one class per policy in `hf_vegas.selection`
 BACKENDS = ("torch", "triton", "auto")
+SELECTION_HEADS = ("local", "all")
 # The draft lengths `gamma="auto"` moves between (each a step shape with graphs of its own), and 0: the dense path.
 AUTO_GAMMAS = (2, 4, 6, 8)
 # A sliding window drafts sparsely when it is longer than SHORT_WINDOW slots and its budget is under 1 / ratio of it.
@@ -62,6 +63,12 @@ class VegasConfig:
             from the scores of the verification row of the last accepted token only; `"oracle"` lets each draft
             step read the candidates its own query weighs most (it scores the whole prefix at every draft step: an
             upper bound for acceptance studies, never faster).
+        selection_heads (`str`, *optional*, defaults to `"local"`):
+            Under tensor parallelism (`from_pretrained(..., tp_plan="auto")`), whose query heads rate the slots:
+            `"local"` each rank its own heads, for its own KV heads, with no communication; `"all"` every head, the
+            paper's Collect-2-Query average, all-reduced across the ranks once per verification (every rank then
+            drafts from the same slots). On one device the two are the same. Either is lossless: the selection only
+            decides how many drafts are accepted, and every rank accepts the same.
         backend (`str`, *optional*, defaults to `"auto"`):
             `"torch"` runs the plain-PyTorch reference ops, `"triton"` the Triton kernels, `"auto"` picks Triton on
             CUDA when it is available and the reference otherwise.
@@ -90,6 +97,7 @@ class VegasConfig:
     budget_boost: float = 2.0
     score: str = "weights"
     policy: str = "vegas"
+    selection_heads: str = "local"
     backend: str = "auto"
     cuda_graphs: bool = True
     compile: bool = False
@@ -114,7 +122,8 @@ class VegasConfig:
         if isinstance(boost, bool) or not isinstance(boost, (int, float)) or not (1.0 <= float(boost) < math.inf):
             raise ValueError(f"`vegas_budget_boost` must be a finite number >= 1.0 (1.0: the same budget for every "
                              f"sequence), got {boost!r}.")
-        for name, allowed in (("score", SCORES), ("policy", POLICIES), ("backend", BACKENDS)):
+        for name, allowed in (("score", SCORES), ("policy", POLICIES), ("selection_heads", SELECTION_HEADS),
+                              ("backend", BACKENDS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"`vegas_{name}` must be one of {list(allowed)}, got {value!r}.")
@@ -165,7 +174,8 @@ class VegasConfig:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(VegasConfig))
-SELECTION_FIELDS = ("sparsity", "min_tokens", "budget_boost", "score", "policy")  # read only when drafting
+# read only when drafting
+SELECTION_FIELDS = ("sparsity", "min_tokens", "budget_boost", "score", "policy", "selection_heads")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(VegasConfig)}
 FLAT_KEYS = tuple(f"vegas_{name}" for name in FIELDS)
 KEYS = ("vegas_config", *FLAT_KEYS)  # every `vegas_*` argument `generate` takes through hf_vegas

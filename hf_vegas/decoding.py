@@ -20,7 +20,7 @@ import contextvars
 
 import torch
 
-from . import graphs, prompt_cache, validation
+from . import graphs, prompt_cache, tensor_parallel, validation
 from .auto_gamma import GammaController
 from ._compat import internals as compat
 from .attention import active_cache, select_from_rows, vegas_attention
@@ -65,6 +65,7 @@ def generate(
     vegas_budget_boost: float | None = None,
     vegas_score: str | None = None,
     vegas_policy: str | None = None,
+    vegas_selection_heads: str | None = None,
     vegas_backend: str | None = None,
     vegas_cuda_graphs: bool | None = None,
     vegas_compile: bool | None = None,
@@ -77,8 +78,9 @@ def generate(
 
     Args:
         vegas_config (`VegasConfig` or `dict`, *optional*): all Vegas settings at once.
-        vegas_gamma, vegas_sparsity, vegas_min_tokens, vegas_budget_boost, vegas_score, vegas_policy, vegas_backend,
-            vegas_cuda_graphs, vegas_compile, vegas_fuse_projections (*optional*):
+        vegas_gamma, vegas_sparsity, vegas_min_tokens, vegas_budget_boost, vegas_score, vegas_policy,
+            vegas_selection_heads, vegas_backend, vegas_cuda_graphs, vegas_compile,
+            vegas_fuse_projections (*optional*):
             override single fields of `vegas_config` (see [`VegasConfig`]).
 
     Returns:
@@ -88,8 +90,8 @@ def generate(
     config = resolve_config(
         vegas_config, vegas_gamma=vegas_gamma, vegas_sparsity=vegas_sparsity, vegas_min_tokens=vegas_min_tokens,
         vegas_budget_boost=vegas_budget_boost, vegas_score=vegas_score, vegas_policy=vegas_policy,
-        vegas_backend=vegas_backend, vegas_cuda_graphs=vegas_cuda_graphs, vegas_compile=vegas_compile,
-        vegas_fuse_projections=vegas_fuse_projections,
+        vegas_selection_heads=vegas_selection_heads, vegas_backend=vegas_backend, vegas_cuda_graphs=vegas_cuda_graphs,
+        vegas_compile=vegas_compile, vegas_fuse_projections=vegas_fuse_projections,
     )
     # transformers does not forward `streamer` or `synced_gpus` to custom_generate callables; take them from its
     # generate call.
@@ -119,6 +121,7 @@ def generate(
     # that ended keep being drafted and verified, gamma + 1 slots further, until the whole batch ends.
     capacity = int(real_len.max()) + max_new + 2 * config.max_gamma + 1
     validation.check_layers(model, capacity, config)
+    group = tensor_parallel.score_group(model) if config.selection_heads == "all" else None
     if _CHECKS_ONLY.get():
         return input_ids
     pooled = graphs.cache_for(model, input_ids.shape[0], capacity, config, input_ids.device, backend_name)
@@ -129,6 +132,7 @@ def generate(
     )
     with (pooled as (cache, step_graphs), vegas_attention(model), active_cache(cache),
           in_draft_steps(model, cache, fusing), weights_left_linears(model, enabled=cache.eager_ops)):
+        cache.selection.pool_over(group)
         loop = _Loop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
                      generation_config, streamer, recorder)
         sequences, accepted = loop.run(inputs_embeds, prefix)

@@ -66,6 +66,9 @@ class SelectionState:
         self.selected_layers: set[int] = set()
         # Whether the current forward chooses the next draft's slots (`prepare`).
         self.choosing = False
+        # `selection_heads="all"` under tensor parallelism: the group whose ranks average their scores (`pool`).
+        self.group = None
+        self._group_size = 1
 
     def selecting(self, mode: str) -> bool:
         """Whether a forward of `mode` chooses the next draft's slots (prefill and verify, when drafting at all)."""
@@ -94,6 +97,20 @@ class SelectionState:
             rows = self.policy.score_rows(plan.mode, num_tokens, pending_row)
             self._score_rows_by_shape[key] = None if rows is None else torch.tensor(rows, device=self.device)
         self.score_rows = self._score_rows_by_shape[key]
+
+    def pool_over(self, group) -> None:
+        """Average every selection's scores over the ranks of `group` from now on (None: each rank its own)."""
+        self.group = group
+        self._group_size = 1 if group is None else torch.distributed.get_world_size(group)
+
+    def pool(self, scores: torch.Tensor) -> torch.Tensor:
+        """`scores` (head means over this rank's query heads) averaged in place over the ranks of `group`: the mean
+        over every head, as each rank holds as many. Candidates are the same on every rank, so a slot outside them is
+        -inf on all. Returns `scores`."""
+        if self.group is not None:
+            torch.distributed.all_reduce(scores, group=self.group)
+            scores.div_(self._group_size)
+        return scores
 
     def store(self, layer_idx: int, indices: torch.Tensor) -> None:
         self.sel_idx[layer_idx].copy_(indices)

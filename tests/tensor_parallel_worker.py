@@ -41,18 +41,37 @@ def main(model_dir: str, out_dir: str) -> None:
     greedy = model.generate(ids, **common, do_sample=False, return_dict_in_generate=True, **VEGAS)
     # With CUDA graphs the cache stays pooled for the next call (outputs do not hold it).
     cache = getattr(greedy, CACHE_KEYWORD) or hf_vegas.graphs.pooled_cache(model)
+    local_selection = _selection(cache)
+    # The paper's all-head average: scores all-reduced over the ranks, the same slots on every rank.
+    pooled = model.generate(ids, **common, do_sample=False, return_dict_in_generate=True, **VEGAS,
+                            vegas_selection_heads="all")
+    pooled_cache = getattr(pooled, CACHE_KEYWORD) or hf_vegas.graphs.pooled_cache(model)
     torch.manual_seed(5)  # every rank draws from the same generator state
     sampled = model.generate(ids, **common, do_sample=True, temperature=0.8, **VEGAS)
     result = dict(
         world=dist.get_world_size(), vanilla=vanilla.tolist(), greedy=greedy.sequences.tolist(),
-        accepted=greedy.accepted.tolist(), sampled=sampled.tolist(),
+        accepted=greedy.accepted.tolist(), sampled=sampled.tolist(), local_selection=local_selection,
+        all_heads=dict(greedy=pooled.sequences.tolist(), accepted=pooled.accepted.tolist(),
+                       selection=_selection(pooled_cache)),
         cache_kv_heads=int(cache.layers[0].keys.shape[2]),
         model_kv_heads=int(model.config.num_key_value_heads),
         sharded=type(model.model.layers[0].self_attn.q_proj.weight).__name__, device=str(model.device),
         backend=cache.backend, graphs=hf_vegas.graphs.pooled_graphs(model) is not None,
     )
+    if rank == 0:  # the same generation with the whole model on one device: whose selection "all" must reproduce
+        whole = AutoModelForCausalLM.from_pretrained(model_dir).to(model.device)
+        single = whole.generate(ids, **common, do_sample=False, return_dict_in_generate=True, **VEGAS)
+        result["single_device"] = dict(greedy=single.sequences.tolist(), selection=_selection(
+            getattr(single, CACHE_KEYWORD) or hf_vegas.graphs.pooled_cache(whole)))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def _selection(cache) -> list:
+    """The slots each sparse layer's next draft reads, per row (what the last verification chose)."""
+    sel = cache.selection
+    return [[sel.sel_idx[layer, row, : int(sel.sel_count[layer, row])].tolist() for row in range(sel.sel_idx.shape[1])]
+            for layer in sel.sparse_layers]
 
 
 if __name__ == "__main__":

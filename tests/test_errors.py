@@ -42,6 +42,8 @@ BAD = [
     (dict(vegas_budget_boost=True), "vegas_budget_boost"),
     (dict(vegas_gamma=0, vegas_budget_boost=3.0), "vegas_budget_boost"),
     (dict(vegas_score="softmax"), "vegas_score"),
+    (dict(vegas_selection_heads="global"), "vegas_selection_heads"),
+    (dict(vegas_gamma=0, vegas_selection_heads="all"), "vegas_selection_heads"),
     (dict(vegas_policy="quest"), "vegas_policy"),
     (dict(vegas_policy="oracle", vegas_score="logits"), "vegas_policy='oracle'"),
     (dict(vegas_backend="cuda"), "vegas_backend"),

@@ -50,3 +50,27 @@ def test_tensor_parallel_ranks_give_vanilla_greedy_and_agree_when_sampling(arch,
     assert ranks[0]["sampled"] == ranks[1]["sampled"], "the speculative-sampling draws agree across ranks"
     accepted = [a for row in ranks[0]["accepted"] for a in row if a >= 0]
     assert any(a < 3 for a in accepted), "some drafts rejected: the drafts ran sparse, not the full attention"
+    # `vegas_selection_heads="all"`: each rank's head-mean scores averaged over both, so both draft from the same slots
+    # (with "local" each rates from its own heads, and the ranks' selections differ); greedy stays vanilla's.
+    assert ranks[0]["local_selection"] != ranks[1]["local_selection"], "local selections must differ to tell"
+    everyone = [rank["all_heads"] for rank in ranks]
+    assert everyone[0]["selection"] == everyone[1]["selection"]
+    assert everyone[0]["accepted"] == everyone[1]["accepted"]
+    for rank, pooled in zip(ranks, everyone):
+        assert pooled["greedy"] == rank["vanilla"]
+    # ... and that is the selection of the whole model on one device (the mean over every head).
+    assert everyone[0]["selection"] == ranks[0]["single_device"]["selection"]
+
+
+def test_on_one_device_all_heads_are_the_local_heads():
+    """Without tensor parallelism there is no group to average over: `selection_heads="all"` selects as "local"."""
+    from hf_vegas.tensor_parallel import score_group
+    from tiny_models import ragged_batch, tiny_model
+
+    model = tiny_model("llama")
+    assert score_group(model) is None
+    ids, mask = ragged_batch([30, 21])
+    common = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, custom_generate="vegas",
+                  vegas_gamma=3, vegas_sparsity=0.2, vegas_min_tokens=8, return_dict_in_generate=True)
+    local, everyone = (model.generate(ids, **common, vegas_selection_heads=heads) for heads in ("local", "all"))
+    assert torch.equal(local.sequences, everyone.sequences) and torch.equal(local.accepted, everyone.accepted)
