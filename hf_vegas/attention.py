@@ -120,8 +120,8 @@ def vegas_attention_forward(
 
 
 # Query rows per KV head the kernels take in one tile. Longer forwards (prefills) run one causal (or banded, for a
-# sliding window) SDPA call per row after the tokens the row already holds (`ops/prefill.py`), or the plain-PyTorch
-# ops when the layer has a soft cap or sinks.
+# sliding window) SDPA call per row after the tokens the row already holds (`ops/prefill.py`); a layer with a soft
+# cap or sinks runs `dense_attention` (the kernels for a narrow forward, else the plain-PyTorch ops).
 MAX_KERNEL_QUERY_ROWS = 64
 
 

@@ -39,9 +39,14 @@ def causal_per_row(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             mask = distance >= 0
             if window is not None:
                 mask &= distance < window  # transformers' convention: kv > q - window
+        gqa = groups > 1
+        if mask is not None and gqa:
+            # SDPA's memory-efficient CUDA kernel takes a mask but not GQA, and flash takes no mask: with both, SDPA
+            # would fall back to the math path and its (Hq, n, start + n) scores. Repeating the keys and values to
+            # the query heads costs (start + n) * Hq * D per row instead.
+            k, v, gqa = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), False
         rows = torch.nn.functional.scaled_dot_product_attention(
-            q[b : b + 1, :, pad:], k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
-            enable_gqa=groups > 1,
+            q[b : b + 1, :, pad:], k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa,
         )
         out[b, pad:] = rows[0].transpose(0, 1)
     return out

@@ -60,9 +60,9 @@ SELECT_TUNING = {"num_warps": 0}
 # Programmatic dependent launch (Hopper and later): a kernel of a step's chain (norm, projections, attention) is
 # launched while the one before it finishes, waits for it (`griddepcontrol.wait`) before reading anything, and lets
 # the next one launch once its main loop is done, so the launch latency between the ~7 small kernels of a draft
-# layer overlaps the previous kernel's tail. Every such kernel waits, unconditionally, before its first load: a
-# kernel never runs ahead of one that is still running, however many launched early. The benchmarks switch it off
-# (`--tuning pdl:enabled=0`) to measure it.
+# layer overlaps the previous kernel's tail. Every such kernel waits, unconditionally, before its first load, and
+# triggers only after it has waited: completion is transitive, so a kernel may read what one several launches back
+# wrote. The benchmarks switch it off (`--tuning pdl:enabled=0`) to measure it.
 PDL = {"enabled": 1}
 
 
@@ -71,9 +71,18 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.cache
+def _triton_has_pdl() -> bool:
+    """`tl.extra.cuda.gdc_wait` and the `launch_pdl` option arrived in Triton 3.4; older releases launch plainly."""
+    import triton.language as tl
+
+    return hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
+
+
 def pdl(device: torch.device) -> bool:
-    """Whether kernels on `device` launch as programmatic dependents (CUDA, compute capability 9.0 or later)."""
-    if device.type != "cuda" or not PDL["enabled"]:
+    """Whether kernels on `device` launch as programmatic dependents: NVIDIA (not ROCm, whose devices are also
+    "cuda"), compute capability 9.0 or later, Triton 3.4 or later."""
+    if device.type != "cuda" or not PDL["enabled"] or torch.version.hip is not None or not _triton_has_pdl():
         return False
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 

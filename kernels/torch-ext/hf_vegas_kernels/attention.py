@@ -261,10 +261,10 @@ def _combine_splits(
 
 
 def emit_dtype(q_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of emitted logits: fp32 for fp32 queries (exact, as the reference), else fp16. Emission is the largest
-    write of a verification (SmolLM2 at 64 x 7.5K, softmax-weight scores: 36 MB per layer in fp32), and its ranking
-    needs no more than fp16's 11 bits (bf16's 8 would move weights by up to ~10 %)."""
-    return torch.float32 if q_dtype == torch.float32 else torch.float16
+    """The dtype of emitted logits: fp16 for half-precision queries, else fp32 (exact, as the reference). Emission
+    is the largest write of a verification (SmolLM2 at 64 x 7.5K, softmax-weight scores: 36 MB per layer in fp32),
+    and its ranking needs no more than fp16's 11 bits (bf16's 8 would move weights by up to ~10 %)."""
+    return torch.float16 if q_dtype in (torch.float16, torch.bfloat16) else torch.float32
 
 
 def _num_splits(list_len: int, programs: int, block_n: int, waves: float, device, nearest: bool = False,

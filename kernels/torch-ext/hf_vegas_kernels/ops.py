@@ -1,5 +1,6 @@
 """The ops of the contract `hf_vegas.ops.reference` defines, on the Triton kernels: same names, same signatures, same
-results (`sinks` `(Hq,)`: gpt-oss' per-head sink logits, in every softmax's denominator).
+results up to rounding (`verify_attention` emits fp16 logits for half-precision queries where the reference emits
+fp32; `sinks` `(Hq,)`: gpt-oss' per-head sink logits, in every softmax's denominator).
 
 Each is a `torch.library` custom op with a fake (shapes only), so `torch.compile` (`vegas_compile`) traces a step's
 forward through attention, the cache write and the selection as single nodes instead of breaking its graph at each:
