@@ -44,8 +44,9 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
         )
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"HF's assisted decoding runs batch 1; got input_ids of shape {tuple(input_ids.shape)}.")
-    given = kwargs.get("generation_config") or model.generation_config
-    chunk = kwargs.get("prefill_chunk_size") or getattr(given, "prefill_chunk_size", None)
+    chunk = kwargs.get("prefill_chunk_size")
+    if chunk is None:  # not passed: what the generation config transformers will use holds
+        chunk = getattr(kwargs.get("generation_config") or model.generation_config, "prefill_chunk_size", None)
     if chunk is not None:
         raise ValueError(
             f"`prefill_chunk_size={chunk!r}` runs in hf_vegas.generate; in HF's assisted loop the drafter prefills "
