@@ -154,6 +154,17 @@ def bound(model, workload, method, new_tokens, config, tokens_per_iteration, ban
     return dict(bound_step_bytes=step_bytes, bound_step_ms=seconds * 1e3, bound_tokens_per_s=tokens / seconds)
 
 
+def draft_step(model, workload, new_tokens, config, split_ms, bandwidth) -> dict:
+    """One draft step's measured time (the iteration's draft time over gamma) against its own traffic bound (the
+    weights and the sparse KV it reads, at the decode's mean context): the issue's "draft step near its bound"."""
+    context = workload.prompt_tokens + new_tokens // 2
+    draft_bytes = (traffic.vegas_iteration_bytes(model, workload.batch, context, config)
+                   - traffic.dense_step_bytes(model, workload.batch, context + config.gamma + 1)) / config.gamma
+    bound_ms = draft_bytes / bandwidth * 1e3
+    step_ms = split_ms["draft"] / config.gamma
+    return dict(draft_step_ms=step_ms, draft_step_bound_ms=bound_ms, draft_step_x_bound=step_ms / bound_ms)
+
+
 def _gamma(text: str) -> int | str:
     if text == "auto":
         return text
@@ -309,6 +320,8 @@ def _add_throughput(record, model, workload, method, new_tokens, config, records
     else:
         tpi = record.get("tokens_per_iteration", 1.0)
     record.update(bound(model, workload, method, new_tokens, config, tpi, bandwidth))
+    if speculative and record.get("split_ms"):
+        record.update(draft_step(model, workload, new_tokens, config, record["split_ms"], bandwidth))
     if record.get("projected"):
         # as the real model's rows: its tokens per iteration net of the ends of rows and batch (new tokens over
         # iterations), over this run's mean iteration time
@@ -372,6 +385,11 @@ def print_table(records) -> None:
     print("* projected: measured iteration time x tokens per iteration of the real model (random weights); "
           "pred.: the traffic model's speedup over dense; tail: iterations over those a row of average acceptance "
           "needs (the batch waits for its slowest row)")
+    for r in records:
+        if "draft_step_x_bound" in r:
+            print(f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['decoding']} {r['method']}: draft step "
+                  f"{r['draft_step_ms']:.3f} ms, {r['draft_step_x_bound']:.2f}x its traffic bound "
+                  f"{r['draft_step_bound_ms']:.3f} ms")
     for r in records:
         if r.get("rows") and r["method"] != "dense" and not r.get("projected"):  # random weights: no acceptance
             q, slow = r["rows"]["tokens_per_iteration_quantiles"], r["rows"]["slowest"]
