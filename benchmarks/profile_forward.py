@@ -3,14 +3,15 @@
     python benchmarks/profile_forward.py --batch 64 --prompt-tokens 7500 --compile          # graphs, as benchmarked
     python benchmarks/profile_forward.py --eager                                            # every kernel launch
     python benchmarks/profile_forward.py --random-weights --sample                          # no GGUF needed
+    python benchmarks/profile_forward.py --qwen3-8b-shape --batch 4 --prompt-tokens 32768 --compile
 
 Runs a warm-up generation (Triton compiles, graphs captured), then a second one in which the first draft (its gamma
 forwards and token choices), the first verify forward and the second iteration are each profiled on their own (one
 replay per graph when graphs are on: the profiler still sees every kernel of the graph), and a dense (gamma = 0)
 generation whose fifth decode step is profiled, for comparison with a verification. Prints, per step kind, the
 kernel count, the summed kernel time and the costliest kernel families; then the peak memory of each step kind and
-of whole dense (gamma = 0) and Vegas generations on the same batch. Random weights have SmolLM2-135M's shape: timing
-and memory only, no acceptance. `--trace DIR` also writes each profile as a Chrome trace.
+of whole dense (gamma = 0) and Vegas generations on the same batch. Random weights have SmolLM2-135M's shape (or
+Qwen3-8B's with `--qwen3-8b-shape`): timing and memory only, no acceptance. `--trace DIR` also writes each profile as a Chrome trace.
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ from hf_vegas.runner import StepRunner
 GiB = 2**30
 
 
-def load(random_weights: bool):
+def load(random_weights: bool, qwen3_8b_shape: bool = False, max_positions: int = 0):
+    if qwen3_8b_shape:  # the throughput benchmark's random-weight Qwen3-8B shape
+        import workloads
+
+        return workloads.load_model("qwen3-8b-shape", max_positions)[0]
     if not random_weights:
         from hf_vegas.real_models import load_smollm2
 
@@ -68,6 +73,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=7500)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--random-weights", action="store_true", help="SmolLM2's shape, random bf16 weights")
+    parser.add_argument("--qwen3-8b-shape", action="store_true",
+                        help="Qwen3-8B's shape with random bf16 weights (the throughput benchmark's qwen3-8b-shape)")
     parser.add_argument("--eager", action="store_true", help="vegas_cuda_graphs=False")
     parser.add_argument("--compile", action="store_true", help="vegas_compile=True")
     parser.add_argument("--sample", action="store_true", help="temperature 0.6, top-p 0.95 instead of greedy")
@@ -79,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/profile_forward.py needs a CUDA GPU.")
-    model = load(args.random_weights)
+    model = load(args.random_weights, args.qwen3_8b_shape, args.prompt_tokens + args.new_tokens + 64)
     ids = torch.randint(100, 40000, (args.batch, args.prompt_tokens), device="cuda")
     sampling = dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=0)
     decoding_args = sampling if args.sample else dict(do_sample=False)
