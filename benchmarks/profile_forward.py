@@ -11,7 +11,8 @@ replay per graph when graphs are on: the profiler still sees every kernel of the
 generation whose fifth decode step is profiled, for comparison with a verification. Prints, per step kind, the
 kernel count, the summed kernel time and the costliest kernel families; then the peak memory of each step kind and
 of whole dense (gamma = 0) and Vegas generations on the same batch. Random weights have SmolLM2-135M's shape (or
-Qwen3-8B's with `--qwen3-8b-shape`): timing and memory only, no acceptance. `--trace DIR` also writes each profile as a Chrome trace.
+Qwen3-8B's with `--qwen3-8b-shape`): timing and memory only, no acceptance. `--trace DIR` also writes each profile
+as a Chrome trace.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ every token; sampling uses the drafts' real probabilities), so this rounding is 
 Which layers: the decoder layer, its attention and its norms run exactly the code of transformers' own Llama classes
 (compared as source text against the installed release, so a model whose code differs in anything, a bias on the
 output projection, a soft cap, q/k norms, another rotary convention, keeps its own forward), with plain `nn.Linear`
-projections small enough for the one-launch kernels (`fused_projections`), no hooks, and full attention in this
+projections, in draft forwards of few enough rows for the one-launch kernels to pay (`fused_projections._max_rows`:
+any draft of small weights, a few rows of large ones), no hooks, and full attention in this
 generation (sliding-window layers keep their window). Everything else, and every prefill, verification and dense
 step, runs the model's own forward. Instance `forward` attributes are removed when the block exits. Every kernel is a
 `torch.library` custom op, so a compiled draft step (`vegas_compile`) traces the fused layer with the rest.
@@ -38,7 +39,7 @@ import sys
 
 import torch
 
-from .fused_projections import MAX_ROWS, _gated_mlp_activation, _plain_linears, _small, fused_projections
+from .fused_projections import _gated_mlp_activation, _max_rows, _plain_linears, fused_projections
 from ._compat import internals as compat
 from .ops import backend
 
@@ -83,6 +84,7 @@ class _Parts:
     kv_heads: int
     head_dim: int
     scaling: float
+    max_rows: int  # the largest draft forward the fused kernels pay for (`fused_projections._max_rows`)
 
 
 def layer_parts(layer) -> _Parts | None:
@@ -119,27 +121,25 @@ def layer_parts(layer) -> _Parts | None:
     linear = backend.kernels().linear  # (q/k/v run in `qkv_rope_write`, which takes any even head_dim)
     if linear.block_n_for(mlp.gate_proj.out_features) is None:
         return None
-    if not _small(q, k, v) or not _small(mlp.gate_proj, mlp.up_proj):
-        return None
     return _Parts(
         layer_idx=attn.layer_idx, qkv=(q.weight, k.weight, v.weight),
         qkv_bias=None if q.bias is None else (q.bias, k.bias, v.bias), norm_in=norms[0].weight,
         eps_in=norms[0].variance_epsilon, o_weight=o.weight, gate=mlp.gate_proj.weight, up=mlp.up_proj.weight,
         down=mlp.down_proj.weight, act=act, norm_post=norms[1].weight, eps_post=norms[1].variance_epsilon,
         q_heads=q.out_features // head_dim, kv_heads=k.out_features // head_dim, head_dim=head_dim,
-        scaling=attn.scaling,
+        scaling=attn.scaling, max_rows=min(_max_rows(q, k, v), _max_rows(mlp.gate_proj, mlp.up_proj)),
     )
 
 
 def _applies(parts: _Parts, cache, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> bool:
-    """Whether this forward is a draft step the fused layer runs: a one-token sparse draft of at most `MAX_ROWS`
-    rows, in the weights' dtype, without autocast, with per-row rotary factors over the whole head (anything else
-    runs the model's own forward)."""
+    """Whether this forward is a draft step the fused layer runs: a one-token sparse draft of at most
+    `parts.max_rows` rows, in the weights' dtype, without autocast, with per-row rotary factors over the whole head
+    (anything else runs the model's own forward)."""
     return (not args and cache is not None and kwargs.get(compat.CACHE_KEYWORD) is cache and cache.plan.mode == "draft"
             and kwargs.get("position_embeddings") is not None
             and kwargs["position_embeddings"][0].shape == (hidden_states.shape[0], 1, parts.head_dim)
             and not cache.layers[parts.layer_idx].is_sliding and cache.layers[parts.layer_idx].is_initialized
-            and hidden_states.dim() == 3 and hidden_states.shape[1] == 1 and hidden_states.shape[0] <= MAX_ROWS
+            and hidden_states.dim() == 3 and hidden_states.shape[1] == 1 and hidden_states.shape[0] <= parts.max_rows
             and hidden_states.dtype == parts.o_weight.dtype
             and not torch.is_autocast_enabled(hidden_states.device.type))
 

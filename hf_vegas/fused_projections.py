@@ -10,8 +10,9 @@ dense steps, whose logits pick the tokens, must not: they keep the model's own p
 
 The weights are read where they are (no fused copy, no extra memory) and the model is changed only by instance-level
 `forward` attributes, removed when the block exits, also on an exception. Forwards of more rows than `MAX_ROWS` keep
-cuBLAS, which is faster there; so do layers whose weights are large enough for cuBLAS to reach the bandwidth
-(`MAX_WEIGHT_BYTES`), inputs `nn.Linear` would cast or refuse, and modules with hooks or unknown shapes.
+cuBLAS, which is faster there; so do forwards of more than a few rows (`LARGE_WEIGHT_MAX_ROWS`) through weights
+large enough for cuBLAS to reach the bandwidth (`MAX_WEIGHT_BYTES`), inputs `nn.Linear` would cast or refuse, and
+modules with hooks or unknown shapes.
 """
 
 from __future__ import annotations
@@ -30,8 +31,12 @@ MAX_ROWS = 512
 # The kernels pay where a projection is latency-bound, i.e. its weights are small. Measured on an H100
 # (`benchmarks/projections.py`, bf16): SmolLM2-135M's q/k/v (1.1 MB) 10.8 -> 5.4 us and gate/up (3.5 MB) 11.1 -> 9.3 us
 # at 64 rows; Qwen3-8B's (50 MB, 200 MB) no faster at 64 rows and up to 2x slower at 448, where cuBLAS reaches the
-# bandwidth. Above this many weight bytes per fused launch a layer keeps cuBLAS.
+# bandwidth. Above this many weight bytes per fused launch a layer keeps cuBLAS, except in forwards of at most
+# `LARGE_WEIGHT_MAX_ROWS` rows: there cuBLAS picks split-K GEMMs (a second, reducing launch) and the kernels read the
+# weights faster (Qwen3-8B at 4 rows: q/k/v 31.9 -> 21.2 us, gate/up 82.2 -> 74.1; at 16 rows 34.6 -> 21.4 and
+# 81.2 -> 74.4; H100, commit b725a73, benchmarks/results/projections.jsonl).
 MAX_WEIGHT_BYTES = 16 << 20
+LARGE_WEIGHT_MAX_ROWS = 16
 
 # The forward of a standard gated MLP, whitespace removed (Llama, Mistral, Qwen2/3, Gemma-3 and their kin).
 _GATED_MLP_FORWARDS = (
@@ -52,14 +57,18 @@ def _plain_linears(*modules) -> bool:
     ) and len({(m.weight.dtype, m.weight.device, m.in_features) for m in modules}) == 1
 
 
-def _small(*linears) -> bool:
-    return sum(m.weight.numel() * m.weight.element_size() for m in linears) <= MAX_WEIGHT_BYTES
+def _max_rows(*linears) -> int:
+    """The most rows a forward may have for these projections to run as one kernel: all draft-sized forwards for
+    small weights, only the smallest for weights that cuBLAS reads at full bandwidth from a few more rows on."""
+    small = sum(m.weight.numel() * m.weight.element_size() for m in linears) <= MAX_WEIGHT_BYTES
+    return MAX_ROWS if small else LARGE_WEIGHT_MAX_ROWS
 
 
-def _use_kernel(x: torch.Tensor, weight: torch.Tensor, active) -> bool:
-    """A draft-sized step in the weights' own dtype: anything else (a prefill, a verification, autocast, an input
-    that `nn.Linear` would refuse) runs the plain projection, with its own checks and casts."""
-    return (active() and x.numel() // x.shape[-1] <= MAX_ROWS and x.dtype == weight.dtype
+def _use_kernel(x: torch.Tensor, weight: torch.Tensor, active, max_rows: int) -> bool:
+    """A draft-sized step (at most `max_rows` rows) in the weights' own dtype: anything else (a prefill, a
+    verification, autocast, an input that `nn.Linear` would refuse) runs the plain projection, with its own checks
+    and casts."""
+    return (active() and x.numel() // x.shape[-1] <= max_rows and x.dtype == weight.dtype
             and not torch.is_autocast_enabled(x.device.type))
 
 
@@ -68,11 +77,12 @@ class _FusedQKV:
 
     def __init__(self, q, k, v, op, active):
         self.q, self.k, self.v, self.op, self.active = q, k, v, op, active
+        self.max_rows = _max_rows(q, k, v)
         self.split = (q.out_features, q.out_features + k.out_features)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, fused output) until v reads it
 
     def q_forward(self, x):
-        if not _use_kernel(x, self.q.weight, self.active):
+        if not _use_kernel(x, self.q.weight, self.active, self.max_rows):
             return linear(x, self.q.weight, self.q.bias)
         fused = self.op(x, self.q.weight, self.k.weight, self.v.weight, self.q.bias, self.k.bias, self.v.bias)
         self.pending = (x, fused)
@@ -93,8 +103,6 @@ class _FusedQKV:
 def _fuse_attention(module, kernels, active) -> list[nn.Module] | None:
     projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
     if not _plain_linears(*projections) or len({p.bias is None for p in projections}) != 1:
-        return None
-    if not _small(*projections):
         return None
     if kernels.linear.block_n_for(*(p.out_features for p in projections)) is None:
         return None
@@ -124,12 +132,11 @@ def _fuse_mlp(module, kernels, active) -> list[nn.Module] | None:
     act = _gated_mlp_activation(module)
     if act is None or kernels.linear.block_n_for(module.gate_proj.out_features) is None:
         return None
-    if not _small(module.gate_proj, module.up_proj):
-        return None
     standard = type(module).forward
+    max_rows = _max_rows(module.gate_proj, module.up_proj)
 
     def forward(x):
-        if not _use_kernel(x, module.gate_proj.weight, active):
+        if not _use_kernel(x, module.gate_proj.weight, active, max_rows):
             return standard(module, x)
         return module.down_proj(kernels.gated_linear_op(x, module.gate_proj.weight, module.up_proj.weight, act))
 

@@ -115,6 +115,15 @@ def test_llama_layers_fuse_and_the_others_keep_their_forward():
     assert layer_parts(hooked.model.layers[0]) is None, "an output bias is not in the fused layer"
 
 
+def test_layers_with_large_weights_fuse_only_the_fewest_rows(monkeypatch):
+    from hf_vegas import fused_projections as projections
+
+    llama = tiny_model("llama")
+    assert layer_parts(llama.model.layers[0]).max_rows == projections.MAX_ROWS
+    monkeypatch.setattr(projections, "MAX_WEIGHT_BYTES", 0)  # every weight counts as large (cuBLAS' bandwidth)
+    assert layer_parts(llama.model.layers[0]).max_rows == projections.LARGE_WEIGHT_MAX_ROWS
+
+
 def test_the_model_is_restored_after_an_exception():
     model = tiny_model("llama")
     with pytest.raises(RuntimeError, match="inside"):

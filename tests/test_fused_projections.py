@@ -139,13 +139,29 @@ def test_hooked_and_unknown_modules_are_left_alone():
         assert "forward" not in vars(model.model.layers[1].mlp)
 
 
-def test_layers_with_large_weights_keep_cublas(monkeypatch):
+def test_layers_with_large_weights_use_the_kernels_only_for_the_fewest_rows(monkeypatch):
+    """Weights above `MAX_WEIGHT_BYTES` (cuBLAS reaches the bandwidth from a few rows on) take the one-launch kernels
+    in forwards of at most `LARGE_WEIGHT_MAX_ROWS` rows, small weights in any draft-sized forward."""
     from hf_vegas import fused_projections as module
 
-    model = tiny_model("llama")
-    monkeypatch.setattr(module, "MAX_WEIGHT_BYTES", 0)
-    with fused_projections(model) as counts:
-        assert counts == {"attention": 0, "mlp": 0}
+    model = tiny_model("llama").to(DEVICE)
+    calls = []
+    monkeypatch.setattr(kernels, "qkv_linear", lambda *args: calls.append("qkv") or reference.grouped_linear(
+        args[0], args[1:4], None))
+    monkeypatch.setattr(kernels, "gated_linear_op", lambda x, gate, up, act: calls.append("mlp") or (
+        torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())))
+    few, more = module.LARGE_WEIGHT_MAX_ROWS, module.LARGE_WEIGHT_MAX_ROWS + 1
+    ids = torch.randint(1, 128, (1, more)).to(DEVICE)
+    layers = model.config.num_hidden_layers
+    for limit, expected in ((0, ["qkv", "mlp"] * layers), (1 << 40, ["qkv", "mlp"] * 2 * layers)):
+        monkeypatch.setattr(module, "MAX_WEIGHT_BYTES", limit)
+        calls.clear()
+        with torch.no_grad(), fused_projections(model) as counts:
+            assert counts == {"attention": layers, "mlp": layers}
+            want = model(ids).logits  # `more` rows: only small weights take the kernels
+            model(ids[:, :few])
+        assert calls == expected, f"MAX_WEIGHT_BYTES={limit}"
+        _assert_fp32_close(want, model(ids).logits)
 
 
 def test_only_draft_steps_use_the_fused_kernels(monkeypatch):
