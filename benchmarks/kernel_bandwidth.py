@@ -162,7 +162,8 @@ def sweep(name, batch, context, dtype, bandwidth, base, write, draft_only=False)
         for block_n, warps, stages, waves, fused in grid:
             setting = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves,
                        "fused_combine": fused}
-            for kind in ["sparse"] if draft_only else _launch.TUNING:  # sparse and dense lists alike
+            # sparse and dense lists alike
+            for kind in ["sparse", "sparse_wide_head"] if draft_only else _launch.TUNING:
                 _launch.TUNING[kind] = dict(setting)
             times = bench_shape(name, batch, context, dtype, bandwidth, base, lambda record: None,
                                 light="draft" if draft_only else True)

@@ -282,7 +282,7 @@ def test_the_last_split_merges_in_the_kernel(monkeypatch, interpreter_sms, combi
     args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
 
     def run(fused):
-        for kind in ("sparse", "dense", "verify"):
+        for kind in ("sparse", "sparse_wide_head", "dense", "verify"):
             monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], "waves": 6, "block_n": 16,
                                                        "fused_combine": fused})
         draft = kernels.sparse_draft_attention(case.q, poisoned(case.k, sparse_ok), poisoned(case.v, sparse_ok),
@@ -338,7 +338,7 @@ def test_sinks_in_every_kernel(monkeypatch, interpreter_sms, combine_launches, h
     """gpt-oss' per-head sink logits: draft, dense (also windowed) and verify kernels against the reference, and the
     verification's softmax-weight scores against the reference's weights with the sinks in their denominators."""
     sinks = torch.linspace(-2.0, 3.0, q_heads, device=DEVICE)
-    for kind in ("sparse", "dense", "verify"):
+    for kind in ("sparse", "sparse_wide_head", "dense", "verify"):
         monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], "waves": waves, "block_n": 16,
                                                    "fused_combine": fused})
     tokens = 4

@@ -22,8 +22,14 @@ import torch
 # launch (`kernel_bandwidth.py --tuning`, SmolLM2 batch 64 x 7.5K, H100, commit 82ade28): dense 145.0 -> 139.9 us,
 # verify 149.8 -> 144.2, verify with softmax-weight scores 170.6 -> 163.6. Sparse drafts gained nothing from it (the
 # sweep's best at batch 64 is 17.9 us either way, at batch 16 9.3 without, 9.7 with), so they keep their settings.
+#
+# `sparse_wide_head`: sparse drafts with head_dim 128 (Qwen3-8B shape at 32K, a 2.3K-slot selection; `--sweep
+# --draft-only --shapes qwen3-8b`, H100, commit a95ad78, kernels_sweep.jsonl) want two pipeline stages, whose tiles
+# leave room for more programs per SM: 20.0 us at batch 4 and 64.3 at batch 16, against 24.1 and 68.9 with the head_dim
+# 64 setting (the best single settings were 19.1 and 61.2 us).
 TUNING = {
     "sparse": {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 2, "nearest": True},
+    "sparse_wide_head": {"block_n": 128, "num_warps": 4, "num_stages": 2, "waves": 2},
     "dense": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "fused_combine": True},
     "verify": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "fused_combine": True},
     "verify_wide_head": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 8},

@@ -307,7 +307,7 @@ def attend(
     block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(v_dim)
     sparse = sel_idx is not None
     if sparse:
-        kind = "sparse"
+        kind = "sparse_wide_head" if block_d >= 128 else "sparse"
     elif num_tokens == 1:
         kind = "dense"
     else:
