@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--random-weights", action="store_true", help="SmolLM2's shape, random bf16 weights")
     parser.add_argument("--qwen3-8b-shape", action="store_true",
                         help="Qwen3-8B's shape with random bf16 weights (the throughput benchmark's qwen3-8b-shape)")
+    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                        help="prefill_chunk_size=N (prompts whose one-shot prefill does not fit beside the cache)")
     parser.add_argument("--eager", action="store_true", help="vegas_cuda_graphs=False")
     parser.add_argument("--compile", action="store_true", help="vegas_compile=True")
     parser.add_argument("--sample", action="store_true", help="temperature 0.6, top-p 0.95 instead of greedy")
@@ -93,7 +95,7 @@ def main() -> None:
     decoding_args = sampling if args.sample else dict(do_sample=False)
     common = dict(max_new_tokens=args.new_tokens, custom_generate="vegas", pad_token_id=0, eos_token_id=None,
                   vegas_cuda_graphs=not args.eager, vegas_compile=args.compile,
-                  vegas_fuse_projections=not args.no_fuse, **decoding_args)
+                  vegas_fuse_projections=not args.no_fuse, prefill_chunk_size=args.prefill_chunk, **decoding_args)
 
     peaks = {}
     for name, gamma in (("dense", 0), ("vegas", 6)):
