@@ -157,7 +157,7 @@ def sweep(name, batch, context, dtype, bandwidth, base, write, draft_only=False)
 
     default = {kind: dict(values) for kind, values in _launch.TUNING.items()}
     try:
-        grid = (product([64, 128], [4, 8], [2, 3, 4], [0, 1, 2, 3], [False, True]) if draft_only
+        grid = (product([16, 32, 64, 128], [2, 4, 8], [1, 2, 3, 4], [0, 1, 2, 3], [False, True]) if draft_only
                 else product([32, 64, 128], [2, 4, 8], [2, 3], [0, 1, 2, 4, 8], [False, True]))
         for block_n, warps, stages, waves, fused in grid:
             setting = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves,
