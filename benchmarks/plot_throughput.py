@@ -37,6 +37,7 @@ def main() -> None:
             latest[(r["model"], r["decoding"], r["batch"], r["prompt_tokens"], r["method"])] = r
     commit = ", ".join(sorted({r["commit"] for r in latest.values()}))
     panels = sorted({(m, d) for m, d, *_ in latest}, key=lambda p: (p[0] != "smollm2", p))
+    gpus = sorted({_short(r["gpu"]) for r in latest.values()})
 
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
     for ax, (model, decoding) in zip(axes[0], panels):
@@ -52,17 +53,28 @@ def main() -> None:
                 ax.bar(x, r["tokens_per_s"], width, color=COLORS[method], hatch="//" if r.get("projected") else None,
                        label=LABELS[method] if g == 0 else None, edgecolor="white")
                 ax.plot([x - width / 2, x + width / 2], [r["bound_tokens_per_s"]] * 2, color="black", linewidth=1.5)
-        ax.set_xticks(range(len(groups)), [f"{b} x {p}" for b, p in groups])
+        # Several GPUs in one figure (a shape that fits only the larger card): each group says where it ran.
+        where = {g: {_short(r["gpu"]) for key, r in latest.items() if key[:4] == (model, decoding, *g)}
+                 for g in groups}
+        ax.set_xticks(range(len(groups)), [f"{b} x {p}" + (f"\n{', '.join(sorted(where[(b, p)]))}"
+                                                            if len(gpus) > 1 else "") for b, p in groups])
         ax.set_yscale("log")
         ax.set_title(f"{model}, {decoding}", fontsize=10)
         ax.set_xlabel("batch x prompt tokens")
         ax.set_ylabel("decode tokens/s")
         ax.grid(alpha=0.3, axis="y")
     axes[0][0].legend(fontsize=7, loc="upper left")
-    first = next(iter(latest.values()))
-    save_figure(fig, args.out, f"hf_vegas throughput, {first['gpu']}, bf16, commits {commit}; black tick: "
-                f"memory-traffic bound (read {first['read_bandwidth_GBps']:.0f} GB/s); hatched: projected", 9,
+    bandwidths = ", ".join(f"{gpu} {bw:.0f}" for gpu, bw in sorted(
+        {_short(r["gpu"]): r["read_bandwidth_GBps"] for r in latest.values()}.items()))
+    save_figure(fig, args.out, f"hf_vegas throughput, {', '.join(gpus)}, bf16, commits {commit}; black tick: "
+                f"memory-traffic bound (read GB/s: {bandwidths}); hatched: projected", 9,
                 f"{len(latest)} records (commits {commit})")
+
+
+def _short(gpu: str) -> str:
+    """"NVIDIA H100 80GB HBM3" -> "H100"."""
+    words = gpu.replace("NVIDIA ", "").split()
+    return words[0] if words else gpu
 
 
 if __name__ == "__main__":
