@@ -95,7 +95,9 @@ def main() -> None:
     decoding_args = sampling if args.sample else dict(do_sample=False)
     common = dict(max_new_tokens=args.new_tokens, custom_generate="vegas", pad_token_id=0, eos_token_id=None,
                   vegas_cuda_graphs=not args.eager, vegas_compile=args.compile,
-                  vegas_fuse_projections=not args.no_fuse, prefill_chunk_size=args.prefill_chunk, **decoding_args)
+                  vegas_fuse_projections=not args.no_fuse, **decoding_args)
+    if args.prefill_chunk is not None:  # only when asked: generate checks the value (a clear error for a bad one)
+        common["prefill_chunk_size"] = args.prefill_chunk
 
     peaks = {}
     for name, gamma in (("dense", 0), ("vegas", 6)):

@@ -122,6 +122,20 @@ def test_layers_with_large_weights_fuse_only_the_fewest_rows(monkeypatch):
     assert layer_parts(llama.model.layers[0]).max_rows == projections.MAX_ROWS
     monkeypatch.setattr(projections, "MAX_WEIGHT_BYTES", 0)  # every weight counts as large (cuBLAS' bandwidth)
     assert layer_parts(llama.model.layers[0]).max_rows == projections.LARGE_WEIGHT_MAX_ROWS
+    # A draft of more rows than that runs the model's own layers, and generation stays vanilla's.
+    monkeypatch.setattr(projections, "LARGE_WEIGHT_MAX_ROWS", 1)
+    calls = []
+    original = kernels.qkv_rope_write
+    monkeypatch.setattr(kernels, "qkv_rope_write", lambda *args: calls.append(args[0].shape[0]) or original(*args))
+    model = tiny_model("llama").to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in ragged_batch([30, 21]))
+    common = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, custom_generate="vegas", vegas_backend="triton",
+                  vegas_cuda_graphs=False, vegas_gamma=2, vegas_sparsity=0.3, vegas_min_tokens=4)
+    two_rows = model.generate(ids, attention_mask=mask, **common)
+    assert calls == [], "two rows exceed the large weights' limit of one"
+    assert torch.equal(two_rows, model.generate(ids, attention_mask=mask, **common, vegas_fuse_projections=False))
+    model.generate(ids[:1], attention_mask=mask[:1], **common)
+    assert calls and set(calls) == {1}, "a one-row draft runs the fused layers"
 
 
 def test_the_model_is_restored_after_an_exception():

@@ -239,9 +239,28 @@ def test_dense_decode_equals_verify_without_scores():
     assert torch.equal(dense, verify)
 
 
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", [HEADS[0], HEADS[1]])
+def test_sparse_drafts_with_wide_heads_take_their_own_launch_setting(monkeypatch, combine_launches, head_dim, q_heads,
+                                                                     kv_heads):
+    """head_dim >= 128 reads `_launch.TUNING["sparse_wide_head"]`, narrower heads `["sparse"]`: many splits (a combine
+    launch) come only from the setting of the head's own kind."""
+    case = make_case(LENGTHS, [2] * 3, 1, head_dim, q_heads, kv_heads, seed=5)
+    args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
+    own, other = ("sparse_wide_head", "sparse") if head_dim >= 128 else ("sparse", "sparse_wide_head")
+    one_split, many = {"waves": 0}, {"waves": 8, "block_n": 16, "fused_combine": False}
+    for split_kind, expected in ((other, 0), (own, 1)):
+        for kind in (own, other):
+            monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], **(many if kind == split_kind else
+                                                                                   one_split)})
+        combine_launches.clear()
+        got = kernels.sparse_draft_attention(case.q, case.k, case.v, *args)
+        assert len(combine_launches) == expected, f"{split_kind} split, head_dim {head_dim}"
+        _assert_close(got, reference.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
+
+
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", [HEADS[1], HEADS[3]])
 @pytest.mark.parametrize("tokens", [1, 7])
-def test_one_split_writes_what_the_combine_would(monkeypatch, head_dim, q_heads, kv_heads, tokens):
+def test_one_split_writes_what_the_combine_would(monkeypatch, combine_launches, head_dim, q_heads, kv_heads, tokens):
     """A sparse draft of one split per (row, KV head) writes output and log-sum-exp itself, without the combine
     launch: the same output as the reference, the same log-sum-exp as the split path."""
     from hf_vegas_kernels.attention import attend
@@ -256,11 +275,17 @@ def test_one_split_writes_what_the_combine_would(monkeypatch, head_dim, q_heads,
 
     from hf_vegas_kernels.attention import _num_splits
 
-    monkeypatch.setitem(_launch.TUNING, "sparse", {**_launch.TUNING["sparse"], "waves": 8, "block_n": 16})
+    def tune(**setting):  # head_dim 128 drafts take the wide-head setting, the others "sparse"
+        for kind in ("sparse", "sparse_wide_head"):
+            monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], **setting})
+
+    tune(waves=8, block_n=16, fused_combine=False)
     assert _num_splits(case.sel_idx.shape[1], 3 * kv_heads, 16, 8, torch.device(DEVICE))[0] > 1
     split_out, split_lse, _ = run()
-    monkeypatch.setitem(_launch.TUNING, "sparse", {**_launch.TUNING["sparse"], "waves": 0})
+    assert len(combine_launches) == 1, "several splits: the combine launch merged them"
+    tune(waves=0)
     out, lse, _ = run()
+    assert len(combine_launches) == 1, "one split: no combine launch"
     expected = reference.sparse_draft_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.sel_idx,
                                                 case.sel_count, case.sel_end, case.scaling)
     _assert_close(out, expected, torch.float32)
