@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import tensor_parallel, validation
+from . import placement, tensor_parallel, validation
 from ._compat import internals as compat
 from .attention import active_cache, vegas_attention
 from .cache import VegasCache
@@ -57,7 +57,8 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
     capacity = input_ids.shape[1] + max_new_tokens + 2 * config.gamma + 1
     validation.check_layers(model, capacity, config)
     backend_name = backend.resolve_backend(config.backend, input_ids.device, model.dtype)
-    cache = VegasCache(model.config, 1, capacity, config, device=input_ids.device, backend=backend_name)
+    cache = VegasCache(model.config, 1, capacity, config, device=input_ids.device, backend=backend_name,
+                       layer_devices=placement.layer_devices(model))
     cache.selection.pool_over(tensor_parallel.score_group(model) if config.selection_heads == "all" else None)
 
     def drafter(generation_config, logits_processor):
@@ -67,7 +68,8 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
         vegas_attention(model),
         active_cache(cache),
         compat.candidate_generator(model, drafter),
-        in_draft_steps(model, cache, backend_name == "triton" and config.fuse_projections),
+        placement.device_guard(input_ids.device),
+        in_draft_steps(model, cache, backend_name == "triton" and config.fuse_projections and not cache.spread),
     ):
         return model.generate(
             input_ids,

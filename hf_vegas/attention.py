@@ -18,6 +18,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from . import placement
 from ._compat import internals as compat
 from .cache import VegasCache
 from .ops import prefill
@@ -58,8 +59,15 @@ def vegas_attention_forward(
         )
     if dropout:
         raise ValueError("hf_vegas runs inference only: attention dropout must be 0 (call model.eval()).")
-    # gpt-oss' learned attention sinks: one logit per query head in every softmax's denominator (every op takes them).
-    sinks = kwargs.get("s_aux")
+    if cache.spread:  # a model on several devices: this layer's kernels launch on its device
+        with cache.device_guard(module.layer_idx):
+            return _attend(cache, module, query, key, value, scaling, sliding_window, softcap, kwargs.get("s_aux"))
+    return _attend(cache, module, query, key, value, scaling, sliding_window, softcap, kwargs.get("s_aux"))
+
+
+def _attend(cache: VegasCache, module, query, key, value, scaling, sliding_window, softcap, sinks):
+    # `sinks`: gpt-oss' learned attention sinks, one logit per query head in every softmax's denominator (every op
+    # takes them).
     if scaling is None:
         scaling = module.head_dim**-0.5
     # `VegasCache.update` gave the model `(B, kv_heads, slots, D)` views of the `(B, slots, kv_heads, D)` storage; the
@@ -80,7 +88,7 @@ def vegas_attention_forward(
     # its scored rows alone (`_select`) rather than emitting logits for every row.
     narrow = query.shape[1] // key.shape[2] * query.shape[2] <= MAX_KERNEL_QUERY_ROWS
     ops = cache.ops if narrow else cache.torch_ops
-    plan, sel = cache.plan, cache.selection
+    plan, sel = cache.state(layer)  # (on this layer's device)
     # Full-attention layers draft sparsely, and so do windows long enough to pay (`cache.sparse_layers`): a windowed
     # layer's selection and drafts stay inside its window.
     sparse = layer in sel.windows
@@ -130,10 +138,11 @@ def _select_from_emitted(cache: VegasCache, ops, layer: int, emitted, lse, q_hea
 
     Each layer's scores wait in an `(L, B, S)` scratch; at the last sparse layer all of them select in one op.
     """
-    sel, weights = cache.selection, cache.vegas_config.score == "weights"
+    plan, sel = cache.state(layer)
+    weights = cache.vegas_config.score == "weights"
     # A windowed layer's candidates start inside its window, and a score row does not rate what its window left.
-    where = dict(cand_start=sel.cand_start[layer], window=window, q_slot=cache.plan.query_slots)
-    if sel.policy.deferred(cache.plan.mode):  # every scored row's scores, until acceptance
+    where = dict(cand_start=sel.cand_start[layer], window=window, q_slot=plan.query_slots)
+    if sel.policy.deferred(plan.mode):  # every scored row's scores, until acceptance
         sel.row_scores[layer] = ops.finalize_scores(emitted, lse, sel.score_rows, sel.sel_end, q_heads, weights,
                                                     mean_rows=False, **where)
         return
@@ -147,7 +156,7 @@ def _select_from_emitted(cache: VegasCache, ops, layer: int, emitted, lse, q_hea
 def _flush_scored(cache: VegasCache, layer: int) -> None:
     """At the forward's last sparse layer, select for every layer whose scores wait in the scratch (with the cache's
     ops whatever the forward's width: a selection is one row of scores per (layer, row))."""
-    sel = cache.selection
+    sel = cache.state(layer)[1]
     if layer != sel.sparse_layers[-1] or not sel.scored_layers:
         return
     if sel.scored_layers == sel.sparse_layers:  # the usual case, with a prebuilt index (no copy, graph-safe)
@@ -164,7 +173,7 @@ def _flush_scored(cache: VegasCache, layer: int) -> None:
 def _select(cache: VegasCache, layer: int, query, key, scaling, extra: dict) -> None:
     """Choose the next draft's slots for this layer from this prefill/verify forward (no host sync), when the
     forward's attention did not emit its scores (a prefill, or a forward too wide for the kernels)."""
-    plan, sel, config = cache.plan, cache.selection, cache.vegas_config
+    (plan, sel), config = cache.state(layer), cache.vegas_config
     if sel.policy.selects_while_drafting:  # candidates and budget are set; each draft step picks its slots
         sel.has_selection = True
         return
@@ -187,19 +196,22 @@ def _select(cache: VegasCache, layer: int, query, key, scaling, extra: dict) -> 
 
 def _select_for_the_draft_query(cache: VegasCache, ops, layer: int, query, key, scaling, extra: dict) -> None:
     """The oracle policy: this draft step's own attention weights over the candidates choose its slots."""
-    plan, sel = cache.plan, cache.selection
+    plan, sel = cache.state(layer)
     scores = cache.torch_ops.row_scores(query, key, plan.query_slots, plan.lengths, sel.sel_end, scaling, "weights",
                                         **extra, cand_start=sel.cand_start[layer])
     ops.select_topk(sel.pool(scores[:, 0].contiguous()), sel.sel_count[layer], sel.sel_end, sel.buffer()[layer])
 
 
 def select_from_rows(cache: VegasCache, rows: torch.Tensor) -> None:
-    """A deferring policy (`last_token`): select, per row `b`, from the scores of verify row `rows[b]`."""
-    sel = cache.selection
-    for layer, scores in sel.row_scores.items():
-        picked = sel.pool(scores[cache.plan.row_index, rows])  # (B, S)
-        cache.ops.select_topk(picked, sel.sel_count[layer], sel.sel_end, sel.buffer()[layer])
-    sel.row_scores.clear()
+    """A deferring policy (`last_token`): select, per row `b`, from the scores of verify row `rows[b]` (on every
+    device that holds layers)."""
+    for plan, sel in cache.states():
+        with placement.device_guard(sel.device):
+            kept = rows.to(sel.device)
+            for layer, scores in sel.row_scores.items():
+                picked = sel.pool(scores[plan.row_index, kept])  # (B, S)
+                cache.ops.select_topk(picked, sel.sel_count[layer], sel.sel_end, sel.buffer()[layer])
+        sel.row_scores.clear()
 
 
 def _no_mask(*args, **kwargs):

@@ -11,7 +11,8 @@ The cache stores; two objects it holds say what to store and read. `plan` (`hf_v
 lengths and the current forward's layout, declared with `begin` before each forward and laid out at layer 0's
 `update`. `selection` (`hf_vegas.selection_state.SelectionState`): the slots each sparse layer's next draft
 reads. After acceptance the generate loop rolls rows back with `plan.rollback(new_lengths)`; HF's assisted loop
-uses `crop`.
+uses `crop`. A model whose layers sit on several devices (`hf_vegas.placement`) gets a copy of both per other device,
+which follows the cache's own at that device's first layer of each forward; `state(layer)` says which a layer reads.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import placement
 from .config import VegasConfig
 from .ops import backend as backends, eager, reference
 from .selection_state import SelectionState
@@ -104,10 +106,12 @@ class VegasCache(Cache):
             `"triton"` (see `hf_vegas.ops.backend.resolve_backend`).
         reach (`int`, *optional*, defaults to `capacity`): positions the generation can reach; sliding windows at least
             this long are treated as full attention.
+        layer_devices (`list[torch.device]`, *optional*): each layer's device, for a model whose layers sit on several
+            devices (`hf_vegas.placement.layer_devices`); by default every layer is on `device`.
     """
 
     def __init__(self, config, batch_size: int, capacity: int, vegas_config: VegasConfig, device=None,
-                 backend: str = "torch", reach: int | None = None):
+                 backend: str = "torch", reach: int | None = None, layer_devices=None):
         if backend not in ("torch", "triton"):
             raise ValueError(
                 f"VegasCache backend must be 'torch' or 'triton' (resolve 'auto' first), got {backend!r}."
@@ -122,28 +126,45 @@ class VegasCache(Cache):
         self.ops = backends.kernels() if self.backend == "triton" else self.torch_ops
         # Positions this generation reaches: a sliding window at least as long is full attention (`layer_types`).
         self.reach = reach if reach is not None else capacity
-        self.plan = StepPlan(batch_size, capacity, self.device)
         types = layer_types(text_config, self.reach)
-        super().__init__(layers=[VegasLayer(self.plan, t == "sliding_attention", self.eager_ops, self.ops)
-                                 for t in types])
         self.capacity = capacity
         self.vegas_config = vegas_config
         # The layers that draft sparsely and select: full attention, and windows long enough to pay (the others
         # draft with their whole window).
         windows = sparse_layers(text_config, vegas_config, self.reach)
-        self.selection = SelectionState(vegas_config, len(types), windows, batch_size, capacity, self.device)
+        devices = [torch.device(d) for d in layer_devices] if layer_devices is not None else [self.device] * len(types)
+        if len(devices) != len(types):
+            raise ValueError(f"layer_devices names {len(devices)} devices for {len(types)} layers.")
+        self.layer_devices = devices
+
+        def state(device: torch.device) -> tuple[StepPlan, SelectionState]:
+            mine = {i for i, d in enumerate(devices) if d == device}
+            return StepPlan(batch_size, capacity, device), SelectionState(
+                vegas_config, len(types), windows, batch_size, capacity, device, own_layers=mine)
+
+        self.plan, self.selection = state(self.device)
+        # Other devices' copies, each refreshed at its device's first layer (`begin_layer`).
+        copies = {d: state(d) for d in dict.fromkeys(devices) if d != self.device}
+        self._follow_at = {devices.index(d): copy for d, copy in copies.items()}
+        self._states = [(self.plan, self.selection), *copies.values()]
+        self._layer_state = [copies.get(d, self._states[0]) for d in devices]
+        super().__init__(layers=[VegasLayer(self._layer_state[i][0], t == "sliding_attention", self.eager_ops,
+                                            self.ops) for i, t in enumerate(types)])
 
     # -- step protocol -------------------------------------------------------------------------------------------
     def begin(self, mode: str, left_pad: torch.Tensor | None = None, verify_end: torch.Tensor | None = None,
               selects: bool = True) -> None:
         """Declare what the next forward is (`StepPlan.begin`); a draft needs a selection to read."""
-        if mode == "draft" and not self.selection.has_selection:
+        if mode == "draft" and not any(sel.has_selection for _, sel in self._states):
             raise RuntimeError("A draft forward needs a selection: run a prefill or verify forward first.")
         self.plan.begin(mode, left_pad, verify_end, selects)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self.begin_layer(layer_idx, key_states.shape[2])
-        return self.layers[layer_idx].update(key_states, value_states)
+        if not self._follow_at:
+            return self.layers[layer_idx].update(key_states, value_states)
+        with self.device_guard(layer_idx):
+            return self.layers[layer_idx].update(key_states, value_states)
 
     def begin_layer(self, layer_idx: int, num_tokens: int) -> None:
         """Before a layer writes its keys: layer 0 lays out the forward's `num_tokens` tokens for every layer (and what
@@ -152,6 +173,33 @@ class VegasCache(Cache):
         if layer_idx == 0:
             self.plan.lay_out(num_tokens)
             self.selection.prepare(self.plan, num_tokens)
+        copy = self._follow_at.get(layer_idx) if self._follow_at else None
+        if copy is not None:  # the first layer on another device: its copy of the plan and selection catches up
+            copy[0].follow(self.plan)
+            copy[1].follow(self.selection)
+
+    # -- layers on several devices (`hf_vegas.placement`) --------------------------------------------------------
+    @property
+    def spread(self) -> bool:
+        """Whether the layers sit on several devices."""
+        return bool(self._follow_at)
+
+    def state(self, layer_idx: int) -> tuple[StepPlan, SelectionState]:
+        """The step plan and selection that layer `layer_idx` reads (on its device)."""
+        return self._layer_state[layer_idx]
+
+    def states(self) -> list[tuple[StepPlan, SelectionState]]:
+        """Every device's step plan and selection, this cache's own first."""
+        return self._states
+
+    def holds_row_scores(self) -> bool:
+        """Whether a deferring policy's verification left each scored row's scores for acceptance to choose from
+        (`attention.select_from_rows`)."""
+        return any(sel.row_scores for _, sel in self._states)
+
+    def device_guard(self, layer_idx: int):
+        """Layer `layer_idx`'s device made current, so that its kernels launch there."""
+        return placement.device_guard(self.layer_devices[layer_idx])
 
     # -- transformers Cache API ----------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -184,8 +232,9 @@ class VegasCache(Cache):
 
         Stale keys and values stay in the buffers: no op reads a slot at or beyond its row's length.
         """
-        self.plan.restart()
-        self.selection.restart()
+        for plan, selection in self._states:
+            plan.restart()
+            selection.restart()
 
     @property
     def batch_size(self) -> int:

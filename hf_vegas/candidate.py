@@ -49,7 +49,7 @@ class VegasCandidateGenerator(CandidateGenerator):
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         accepted = torch.tensor([num_matches], device=self.cache.device)
-        if self.cache.selection.row_scores:  # `last_token` policy: the row that produced the kept token
+        if self.cache.holds_row_scores():  # `last_token` policy: the row that produced the kept token
             select_from_rows(self.cache, accepted)
         # the next selection's budget (`VegasConfig.budget_boost`), as in hf_vegas' own loop
         self.cache.selection.note_acceptance(accepted, torch.ones(1, dtype=torch.bool, device=self.cache.device))

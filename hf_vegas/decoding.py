@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 
 import torch
 
-from . import graphs, prompt_cache, tensor_parallel, validation
+from . import graphs, placement, prompt_cache, tensor_parallel, validation
 from .auto_gamma import GammaController
 from ._compat import internals as compat
 from .attention import active_cache, select_from_rows, vegas_attention
@@ -124,14 +125,17 @@ def generate(
     group = tensor_parallel.score_group(model) if config.selection_heads == "all" else None
     if _CHECKS_ONLY.get():
         return input_ids
-    pooled = graphs.cache_for(model, input_ids.shape[0], capacity, config, input_ids.device, backend_name)
-    fusing = backend_name == "triton" and config.fuse_projections
+    # Layers on several devices (`device_map`): each device's layers read their copy of the plan and selection.
+    devices = placement.layer_devices(model)
+    pooled = graphs.cache_for(model, input_ids.shape[0], capacity, config, input_ids.device, backend_name, devices)
+    fusing = backend_name == "triton" and config.fuse_projections and not _spread(devices, config)
     recorder = StepRecorder(
         scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
     )
-    with (pooled as (cache, step_graphs), vegas_attention(model), active_cache(cache),
-          in_draft_steps(model, cache, fusing), weights_left_linears(model, enabled=cache.eager_ops)):
+    with (placement.device_guard(input_ids.device), pooled as (cache, step_graphs), vegas_attention(model),
+          active_cache(cache), in_draft_steps(model, cache, fusing),
+          weights_left_linears(model, enabled=cache.eager_ops)):
         cache.selection.pool_over(group)
         loop = _Loop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
                      generation_config, streamer, recorder)
@@ -145,6 +149,15 @@ def generate(
     output = VegasGenerateOutput(sequences=sequences, scores=scores, logits=logits, accepted=accepted, gammas=gammas,
                                  **{compat.CACHE_KEYWORD: own_cache})
     return _finish(sequences, output, generation_config, streamer)
+
+
+def _spread(devices, config: VegasConfig) -> bool:
+    """Whether the layers sit on several devices; says once that the projections are not fused there (their fused
+    layers and one-launch kernels assume one device)."""
+    reason = placement.spread_reason(devices)
+    if reason is not None and config.fuse_projections:
+        graphs.log_once(logging.INFO, f"hf_vegas runs the model's own projections: {reason}.")
+    return reason is not None
 
 
 def _finish(sequences, output, generation_config, streamer):
@@ -293,7 +306,7 @@ class _Loop:
             n, chunk, scores, keep, stopped = graphs.run(key, self._accept, logits, drafts, draft_scores, budget, eos)
         else:
             n, chunk, scores, keep, stopped = self._accept(logits, drafts, draft_scores, budget, self.stopper.eos)
-        if self.cache.selection.row_scores:  # `last_token` policy selects from the row that produced the kept token
+        if self.cache.holds_row_scores():  # `last_token` policy selects from the row that produced the kept token
             select_from_rows(self.cache, n)
         if drafts is not None:
             cache.selection.note_acceptance(n, active)  # the next selection's budget (`VegasConfig.budget_boost`)

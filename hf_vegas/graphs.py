@@ -42,7 +42,7 @@ import weakref
 
 import torch
 
-from . import selection
+from . import placement, selection
 from .cache import VegasCache, layer_types
 from .config import VegasConfig
 
@@ -61,7 +61,8 @@ CAPACITY_BUCKET = 1024
 _LOGGED: set[str] = set()
 
 
-def _log_once(level: int, message: str) -> None:
+def log_once(level: int, message: str) -> None:
+    """Log `message` on the `hf_vegas` logger once per process (a reason something is off, not per call)."""
     if message not in _LOGGED:
         _LOGGED.add(message)
         logger.log(level, message)
@@ -177,7 +178,7 @@ class StepGraphs:
         except Exception as error:  # noqa: BLE001  (any op of any model may refuse capture; eager always works)
             _release_the_random_generator()
             self.disabled_reason = f"capturing the {key[0]} step failed ({type(error).__name__}: {error})"
-            _log_once(logging.WARNING, f"hf_vegas runs its steps eagerly: {self.disabled_reason}")
+            log_once(logging.WARNING, f"hf_vegas runs its steps eagerly: {self.disabled_reason}")
             return None
         captured = _Captured(graph, static, outputs)
         self._outputs.update(id(t) for t in (outputs if isinstance(outputs, tuple) else (outputs,)) if t is not None)
@@ -201,7 +202,7 @@ def _release_the_random_generator() -> None:
             torch.zeros(1, device="cuda")
         del graph
     except Exception as error:  # noqa: BLE001  (the steps still run eagerly; only random ops would be refused)
-        _log_once(logging.WARNING, f"hf_vegas could not reset CUDA's random generator after the failed capture "
+        log_once(logging.WARNING, f"hf_vegas could not reset CUDA's random generator after the failed capture "
                   f"({type(error).__name__}: {error}); random ops of this process may raise")
 
 
@@ -216,35 +217,38 @@ class _PoolEntry:
 _POOL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def no_graph_reason(config: VegasConfig, device: torch.device) -> str | None:
-    """Why this generation's steps cannot be captured, or None when they can."""
+def no_graph_reason(config: VegasConfig, device: torch.device, layer_devices=None) -> str | None:
+    """Why this generation's steps cannot be captured, or None when they can (`layer_devices`: each layer's, for a
+    model on several devices)."""
     if not config.cuda_graphs:
         return "vegas_cuda_graphs=False"
     if torch.device(device).type != "cuda":
         return f"CUDA graphs need a CUDA device, the model is on {torch.device(device).type}"
-    return selection.policy(config.policy).no_graph_reason
+    return placement.spread_reason(layer_devices) or selection.policy(config.policy).no_graph_reason
 
 
 @contextlib.contextmanager
-def cache_for(model, batch: int, capacity: int, config: VegasConfig, device, backend: str):
-    """`(cache, graphs)` for one generation, held for the block: the pooled pair of this bucket, or a new one.
+def cache_for(model, batch: int, capacity: int, config: VegasConfig, device, backend: str, layer_devices=None):
+    """`(cache, graphs)` for one generation, held for the block: the pooled pair of this bucket, or a new one
+    (`layer_devices`: each layer's device, for a model on several devices, whose steps run eagerly).
 
     `graphs` is None (eager) when the steps cannot be captured (the reason is logged once), and also while another
     generation on the same model holds the pooled cache (a streamer or thread calling `generate` again).
     """
-    reason = no_graph_reason(config, device)
+    reason = no_graph_reason(config, device, layer_devices)
     entry = _POOL.get(model)
     if reason is None and entry is not None and entry.busy:
         reason = "another generate call on this model holds its pooled cache"
     if reason is not None:
         if config.compile:
-            _log_once(logging.WARNING, f"vegas_compile=True has no effect: {reason}.")
+            log_once(logging.WARNING, f"vegas_compile=True has no effect: {reason}.")
         elif config.cuda_graphs:
-            _log_once(logging.INFO, f"hf_vegas runs its steps eagerly: {reason}.")
+            log_once(logging.INFO, f"hf_vegas runs its steps eagerly: {reason}.")
         if entry is not None and not entry.busy:
             del entry
             release_graphs(model)  # an idle pooled cache would hold its memory next to this one
-        yield VegasCache(model.config, batch, capacity, config, device=device, backend=backend), None
+        yield VegasCache(model.config, batch, capacity, config, device=device, backend=backend,
+                         layer_devices=layer_devices), None
         return
     reach, capacity = capacity, math.ceil(capacity / CAPACITY_BUCKET) * CAPACITY_BUCKET
     autocast = torch.is_autocast_enabled(torch.device(device).type)  # captured kernels bake in the dtypes

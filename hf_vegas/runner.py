@@ -131,7 +131,8 @@ class StepRunner:
         inputs = dict(inputs_embeds=ids) if ids.is_floating_point() else dict(input_ids=ids)
         out = self.model(**inputs, position_ids=position_ids, use_cache=True, logits_to_keep=logits_to_keep,
                          **{compat.CACHE_KEYWORD: self.cache})
-        return out.logits
+        # (a model on several devices: the logits come from its last one; the loop runs on the cache's device)
+        return out.logits.to(self.cache.device) if self.cache.spread else out.logits
 
     def _replayed(self, ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
         """One forward in the cache's current mode, through its graph when there are graphs."""

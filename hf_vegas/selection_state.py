@@ -22,10 +22,12 @@ from .step_plan import StepPlan
 
 class SelectionState:
     """The selection of a batch of `batch_size` rows of `capacity` slots, for the sparse layers of `num_layers`:
-    `windows` maps each to the window its drafts stay inside (None: full attention). Other layers select nothing."""
+    `windows` maps each to the window its drafts stay inside (None: full attention). Other layers select nothing.
+    `own_layers`: the layers on this state's device, for a model on several devices (`hf_vegas.placement`); the
+    state selects for those of the sparse layers (budgets and candidates are still computed for every layer)."""
 
     def __init__(self, config: VegasConfig, num_layers: int, windows: dict[int, int | None], batch_size: int,
-                 capacity: int, device: torch.device):
+                 capacity: int, device: torch.device, own_layers: set[int] | None = None):
         self.config = config
         self.policy = selection.policy(config.policy)
         self.device = device
@@ -42,7 +44,7 @@ class SelectionState:
         self.sel_idx = torch.zeros(num_layers, batch_size, self.max_selected, **long)
         # Per layer: how far back from `sel_end` its candidates reach (a window's `window - 1` slots, or the whole
         # buffer), and its rows' budgets and first candidates (a window's budget counts its candidates only).
-        self.windows = dict(windows)
+        self.windows = {i: w for i, w in windows.items() if own_layers is None or i in own_layers}
         self.span = torch.tensor([(windows.get(i) or capacity + 2) - 1 for i in range(num_layers)], **long)
         self.sel_count = torch.zeros(num_layers, batch_size, **long)
         self.cand_start = torch.zeros(num_layers, batch_size, **long)
@@ -58,7 +60,7 @@ class SelectionState:
         # A deferring policy (`last_token`): head-averaged scores of every scored verify row, until acceptance.
         self.row_scores: dict[int, torch.Tensor] = {}
         self._layer_scores: torch.Tensor | None = None
-        self.sparse_layers = sorted(windows)
+        self.sparse_layers = sorted(self.windows)
         self.sparse_layer_index = torch.tensor(self.sparse_layers, **long)
         # Sparse layers whose scores wait in `layer_scores`: all select together at the forward's last sparse layer.
         self.scored_layers: list[int] = []
@@ -97,6 +99,19 @@ class SelectionState:
             rows = self.policy.score_rows(plan.mode, num_tokens, pending_row)
             self._score_rows_by_shape[key] = None if rows is None else torch.tensor(rows, device=self.device)
         self.score_rows = self._score_rows_by_shape[key]
+
+    def follow(self, main: SelectionState) -> None:
+        """Take what `main.prepare` set for this forward, copied to this state's device (the selection of the layers
+        on another device, refreshed at that device's first layer)."""
+        self.gamma = main.gamma
+        self.scored_layers = []
+        self.selected_layers = set()
+        self.choosing = main.choosing
+        self.score_rows = None if main.score_rows is None else main.score_rows.to(self.device, copy=True)
+        if self.choosing:
+            self.sel_end.copy_(main.sel_end)
+            self.sel_count.copy_(main.sel_count)
+            self.cand_start.copy_(main.cand_start)
 
     def pool_over(self, group) -> None:
         """Average every selection's scores over the ranks of `group` from now on (None: each rank its own)."""

@@ -85,6 +85,15 @@ class StepPlan:
         if self.mode == "prefill":
             self.prefill_left_pad, self.prefill_start = self.left_pad.tolist(), self.write_start.tolist()
 
+    def follow(self, main: StepPlan) -> None:
+        """Take `main`'s current forward, copied to this plan's device: the plan of the layers on another device
+        (`hf_vegas.placement`), refreshed at that device's first layer, after `main.lay_out`."""
+        self.mode, self.selects = main.mode, main.selects
+        self.prefill_left_pad, self.prefill_start = main.prefill_left_pad, main.prefill_start
+        self.lengths.copy_(main.lengths)
+        for name in ("write_start", "write_slots", "query_slots", "attend_lengths"):
+            setattr(self, name, getattr(main, name).to(self.device, copy=True))
+
     def rollback(self, new_lengths: torch.Tensor) -> None:
         """Set each row's committed length (drops rejected draft tokens; their slots are overwritten later)."""
         self.lengths.copy_(new_lengths)

@@ -65,7 +65,7 @@ def check_model(model) -> None:
         raise ValueError("hf_vegas needs causal attention; this config sets use_bidirectional_attention=True.")
     if model.training:
         raise ValueError("hf_vegas runs inference only: call model.eval() before generate.")
-    check_one_device(model)
+    check_placement(model)
 
 
 def _placement(where) -> str:
@@ -78,20 +78,23 @@ def _placement(where) -> str:
     return device.type if device.type in ("cpu", "meta") else f"accelerator {device.index or 0}"
 
 
-def check_one_device(model) -> None:
-    """Refuse a model spread over several devices (accelerate's `device_map` over GPUs, or offload to the CPU or
-    disk): a generation keeps its cache's step plan and selection on one device, and every layer's attention reads
-    them. Tensor parallelism (`tp_plan="auto"`) keeps each rank's shard on its own device, and passes."""
+def check_placement(model) -> None:
+    """Refuse a model offloaded to the CPU or disk (accelerate's `device_map` with offloading, or weights left on
+    "meta"): every layer runs where its weights are, on accelerators of one kind. One device, or layers spread over
+    several GPUs (`device_map="auto"`, `hf_vegas.placement`), pass; so does tensor parallelism (`tp_plan="auto"`),
+    whose ranks each hold their shards on their own device."""
     placed = {_placement(where) for where in (getattr(model, "hf_device_map", None) or {}).values()}
     held = {_placement(t.device) for t in (*model.parameters(), *model.buffers())}
-    if len(placed) > 1 or len(held) > 1:
-        spread = sorted(placed if len(placed) > 1 else held)
-        raise ValueError(
-            f"hf_vegas runs a model on one device, but this one is spread over {', '.join(spread)} (a `device_map` "
-            "over several devices, or offloading): a generation keeps its step plan and selection on one device. "
-            "Load it on one device (e.g. `device_map={'': 0}`), or split it over GPUs with tensor parallelism: "
-            "`from_pretrained(..., tp_plan='auto')` under `torchrun` (README, 'Multi-GPU')."
-        )
+    for spread in (placed, held):
+        kinds = {name.split()[0] for name in spread}
+        if len(spread) > 1 and (kinds & {"cpu", "disk", "meta"} or len(kinds) > 1):
+            raise ValueError(
+                f"hf_vegas runs every layer where its weights are, but this model is spread over "
+                f"{', '.join(sorted(spread))} (a `device_map` that offloads to the CPU or disk): it runs on one "
+                "device, or with its layers on several GPUs (`device_map='auto'` with enough GPU memory for every "
+                "layer), or split over GPUs with tensor parallelism: `from_pretrained(..., tp_plan='auto')` under "
+                "`torchrun` (README, 'Multi-GPU')."
+            )
 
 
 def check_synced_gpus(model, requested: bool | None) -> None:

@@ -183,23 +183,33 @@ def test_training_mode_is_refused(model_and_counter):
 
 
 @pytest.mark.parametrize("device_map", [
-    {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1, "lm_head": 1},
     {"model.embed_tokens": "cuda:0", "model.layers": "cuda:0", "model.norm": "cpu", "lm_head": "cpu"},
     {"": 0, "lm_head": "disk"},
 ])
-def test_a_model_spread_over_several_devices_is_refused(model_and_counter, device_map):
-    """accelerate's `device_map` over several GPUs, or offloading to the CPU or disk (the map accelerate leaves on the
-    model), is refused before any forward, pointing to one device or tensor parallelism; on one device it runs."""
+def test_a_model_offloaded_to_the_cpu_or_disk_is_refused(model_and_counter, device_map):
+    """accelerate's `device_map` offloading to the CPU or disk (the map accelerate leaves on the model) is refused
+    before any forward, pointing to one device, GPUs or tensor parallelism; layers on several GPUs pass
+    (`tests/test_device_map.py`), and so does one device."""
     model, forwards = model_and_counter
     model.hf_device_map = device_map
-    with pytest.raises(ValueError, match="spread over .* tensor parallelism"):
+    with pytest.raises(ValueError, match="spread over .* offloads .* tensor parallelism"):
         hf_vegas.generate(model, IDS, attention_mask=MASK, max_new_tokens=5, pad_token_id=0)
-    with pytest.raises(ValueError, match="spread over .* tensor parallelism"):
+    with pytest.raises(ValueError, match="spread over .* offloads .* tensor parallelism"):
         assisted_generate(model, IDS[1:, -12:], max_new_tokens=5, pad_token_id=0)
     with pytest.raises(ValueError, match="spread over"):
         model.generate(IDS, attention_mask=MASK, max_new_tokens=5, pad_token_id=0, custom_generate="vegas")
     assert forwards == []
     model.hf_device_map = {"": "cpu"}
+    model.generate(IDS, attention_mask=MASK, max_new_tokens=3, pad_token_id=0, custom_generate="vegas")
+    assert forwards
+
+
+def test_a_map_over_several_gpus_passes_the_checks(model_and_counter):
+    """Layers on two GPUs are supported (`hf_vegas.placement`): the map alone refuses nothing (this tiny model's
+    weights are all on the CPU, so it runs on one device)."""
+    model, forwards = model_and_counter
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1,
+                           "lm_head": 1}
     model.generate(IDS, attention_mask=MASK, max_new_tokens=3, pad_token_id=0, custom_generate="vegas")
     assert forwards
 
