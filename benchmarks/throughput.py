@@ -10,7 +10,9 @@ Methods, on the same prompts in one process:
   hf         HF `generate` with a static cache (which makes it torch.compile the decode step; its fastest path)
   dense      hf_vegas with gamma = 0: one token per step over the Vegas cache, Triton dense attention, CUDA graphs
   vegas      hf_vegas, policy "vegas" (defaults: gamma 6, sparsity 0.07, min 256 tokens, weights scores)
+  vegas-all  vegas with `selection_heads="all"` (under tensor parallelism: scores averaged over the ranks)
   streaming  hf_vegas, policy "streaming" (StreamingLLM selection) at the same gamma and budget
+Under `torchrun --nproc_per_node N` the model is sharded with `tp_plan="auto"` (`tensor_parallel_runs.py`).
 Each runs once to warm up (compile, capture), then once timed. Decode tokens/s = batch x (new tokens - 1) / the time
 from the first token (after the prefill) to the last. EOS is ignored: every row generates exactly the tokens asked.
 Bounds (`hf_vegas/traffic.py`): the bytes a step must read over the read bandwidth measured in this run. On
@@ -33,6 +35,7 @@ from tqdm.auto import tqdm
 
 import hf_vegas
 from hf_vegas import traffic
+import tensor_parallel_runs
 import workloads
 from gpu_timing import read_bandwidth
 from launch_tuning import apply_tuning
@@ -40,7 +43,7 @@ from provenance import gpu_run
 from results_io import append_records, read_records
 from step_timer import FirstTokenClock, IterationTimes
 
-METHODS = ("hf", "dense", "vegas", "streaming")
+METHODS = ("hf", "dense", "vegas", "vegas-all", "streaming")
 DECODINGS = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=0)}
 # Generation settings every method gets (`--prefill-chunk`: `prefill_chunk_size`, for prompts whose one-shot prefill
 # does not fit beside the cache).
@@ -138,8 +141,12 @@ def vegas_config(method: str, args) -> hf_vegas.VegasConfig:
     if method == "dense":
         return hf_vegas.VegasConfig(gamma=0, compile=args.compile)
     return hf_vegas.VegasConfig(gamma=args.gamma, sparsity=args.sparsity, min_tokens=args.min_tokens,
-                                budget_boost=args.budget_boost,
-                                score=args.score, policy=method, compile=args.compile)
+                                budget_boost=args.budget_boost, score=args.score, policy=_policy(method),
+                                selection_heads="all" if method == "vegas-all" else "local", compile=args.compile)
+
+
+def _policy(method: str) -> str:
+    return "vegas" if method == "vegas-all" else method
 
 
 def bound(model, workload, method, new_tokens, config, tokens_per_iteration, bandwidth) -> dict:
@@ -224,6 +231,9 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                         help="prefill_chunk_size=N for every method: prompts prefilled N positions at a time")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--tp-model-dir", type=Path, default=Path("/tmp/hf_vegas_tp_models"),
+                        help="under torchrun: where rank 0 saves a random-weight shape for every rank to load with "
+                             "tp_plan='auto'")
     parser.add_argument("--tuning", nargs="+", default=[], metavar="KIND:KEY=VALUE",
                         help="override a kernel launch setting for this run, e.g. sparse:fused_combine=1 (recorded)")
     parser.add_argument("--inductor", nargs="+", default=[], metavar="OPTION=VALUE",
@@ -245,10 +255,15 @@ def main() -> None:
             raise SystemExit(f"--prefill-chunk must be a positive integer, got {args.prefill_chunk}")
         COMMON_GENERATE["prefill_chunk_size"] = args.prefill_chunk
     plan.sort(key=lambda w: not w.real_weights)  # real models first: the projections need their tokens/iteration
+    world = tensor_parallel_runs.world_size()
+    if world > 1 and any(w.real_weights for w in plan):
+        raise SystemExit("Under torchrun the benchmark runs the random-weight shapes (qwen3-8b-shape): SmolLM2's 9 "
+                         "query and 3 KV heads do not split over the ranks.")
+    leader = world == 1 or tensor_parallel_runs.start() == 0  # the rank that writes records and prints
 
     bandwidth = read_bandwidth()
     base = gpu_run(args.commit, transformers=transformers.__version__, hf_vegas=hf_vegas.__version__,
-                   dtype="bfloat16", read_bandwidth_GBps=bandwidth / 1e9,
+                   dtype="bfloat16", read_bandwidth_GBps=bandwidth / 1e9, world_size=world,
                    **({"inductor": inductor} if inductor else {}), **({"tuning_overrides": tuning} if tuning else {}),
                    **COMMON_GENERATE)
     for option, value in inductor.items():
@@ -265,14 +280,17 @@ def main() -> None:
     if args.project_from:
         earlier = [r for r in read_records(args.project_from) if r["real_weights"] and "error" not in r]
     jobs = [(w, d, m) for w in plan for d in (args.decodings if w.real_weights else ["greedy"]) for m in args.methods]
-    bar = tqdm(jobs, desc="throughput", dynamic_ncols=True, disable=args.no_progress)
+    bar = tqdm(jobs, desc="throughput", dynamic_ncols=True, disable=args.no_progress or not leader)
     for workload, decoding, method in bar:
         bar.set_postfix_str(f"{workload} {decoding} {method}")
         if loaded[0] != workload.model:
             loaded = (None, None, None)
             hf_vegas.release_graphs()
             torch._dynamo.reset()
-            model, tokenizer = workloads.load_model(workload.model, max(w.prompt_tokens for w in plan) + 1024)
+            positions = max(w.prompt_tokens for w in plan) + 1024
+            model, tokenizer = (tensor_parallel_runs.load_sharded(workload.model, positions, args.tp_model_dir
+                                                                  / workload.model) if world > 1
+                                else workloads.load_model(workload.model, positions))
             loaded = (workload.model, model, tokenizer)
         _, model, tokenizer = loaded
         ids, mask = workloads.prompts(workload, tokenizer, texts)
@@ -301,12 +319,26 @@ def main() -> None:
         except torch.OutOfMemoryError as error:
             record.update(error=f"OutOfMemoryError: {str(error).splitlines()[0]}")
             torch.cuda.empty_cache()
+        except Exception as error:  # noqa: BLE001  (HF's generate under TP may not support a static cache)
+            if world == 1 or method != "hf":
+                raise
+            record.update(error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        if world > 1:  # (every rank: collectives)
+            record.update(tensor_parallel_runs.per_rank_peaks(record))
+            if "error" not in record:
+                timed = config or hf_vegas.VegasConfig(gamma=0)
+                reach = workload.prompt_tokens + new_tokens + 2 * args.gamma + 1 if timed.gamma else 0
+                record.update(tensor_parallel_runs.nccl_per_iteration(model, workload.batch, timed, reach))
+                record["nccl_fraction"] = record["nccl_ms_per_iteration"] / record["step_ms"]
         if "error" not in record:
-            _add_throughput(record, model, workload, method, new_tokens, config, earlier + records, bandwidth)
+            # the ranks read their shares of the weights and KV at once: the bound is over their bandwidth together
+            _add_throughput(record, model, workload, method, new_tokens, config, earlier + records, bandwidth * world)
             _add_ratios(record, records)
         records.append(record)
-        append_records(args.out, [record])
-    print_table(records)
+        if leader:
+            append_records(args.out, [record])
+    if leader:
+        print_table(records)
 
 
 def _add_throughput(record, model, workload, method, new_tokens, config, records, bandwidth) -> None:
@@ -314,9 +346,9 @@ def _add_throughput(record, model, workload, method, new_tokens, config, records
         ran = record["gammas_run"]
         gamma = int(max(ran, key=ran.get))
         config, method = (dataclasses.replace(config, gamma=gamma), method) if gamma else (None, "dense")
-    speculative = method in ("vegas", "streaming")
+    speculative = method in ("vegas", "vegas-all", "streaming")
     if speculative and not workload.real_weights:  # acceptance of random weights means nothing: project
-        tpi = _projected_tpi(records, method, record["decoding"], record)
+        tpi = _projected_tpi(records, _policy(method), record["decoding"], record)
     else:
         tpi = record.get("tokens_per_iteration", 1.0)
     record.update(bound(model, workload, method, new_tokens, config, tpi, bandwidth))
@@ -385,6 +417,15 @@ def print_table(records) -> None:
     print("* projected: measured iteration time x tokens per iteration of the real model (random weights); "
           "pred.: the traffic model's speedup over dense; tail: iterations over those a row of average acceptance "
           "needs (the batch waits for its slowest row)")
+    for r in records:
+        if "per_rank_peak_memory_GiB" in r:
+            peaks = ", ".join(f"{g:.1f}" for g in r["per_rank_peak_memory_GiB"] if g is not None)
+            nccl = (f"NCCL {r['nccl_ms_per_iteration']:.2f} ms per iteration ({100 * r['nccl_fraction']:.1f} %)"
+                    if "nccl_ms_per_iteration" in r else "")
+            chosen = (f", of which the selection's all-reduce {r['selection_all_reduce_ms']:.2f} ms"
+                      if "selection_all_reduce_ms" in r else "")
+            print(f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['method']} under TP = {r['world_size']}: "
+                  f"{nccl}{chosen}; peak GiB per rank {peaks}")
     for r in records:
         if "draft_step_x_bound" in r:
             print(f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['decoding']} {r['method']}: draft step "

@@ -20,11 +20,16 @@ from .config import VegasConfig
 def weight_bytes(model) -> int:
     """Bytes of every parameter a step reads: all but an untied input embedding, of which a step reads one row per
     token (tied embeddings are the output projection, read whole)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # (a TP shard's `DTensor`: the whole)
     embedding = model.get_input_embeddings().weight
-    if embedding.data_ptr() != model.get_output_embeddings().weight.data_ptr():
+    if _storage(embedding) != _storage(model.get_output_embeddings().weight):
         total -= embedding.numel() * embedding.element_size()
     return total
+
+
+def _storage(weight) -> int:
+    """Where `weight`'s data starts (a tensor-parallel `DTensor`: its local shard's)."""
+    return weight.to_local().data_ptr() if hasattr(weight, "to_local") else weight.data_ptr()
 
 
 def _kv_shape(model) -> tuple[list[int | None], int]:

@@ -1,0 +1,104 @@
+"""The throughput benchmark under transformers' tensor parallelism (`tp_plan="auto"`), one process per GPU:
+
+    torchrun --nproc_per_node 2 benchmarks/throughput.py --workloads qwen3-8b-shape:16x32768 --methods hf dense \\
+        vegas vegas-all --compile --decodings greedy --prefill-chunk 8192 --project-from FILE
+
+Every rank runs the same generations; rank 0 writes the records and prints the table. A random-weight shape is built
+once (rank 0, seeded), saved to `--tp-model-dir` and loaded by every rank with `from_pretrained(..., tp_plan="auto")`,
+as a user loads a checkpoint. Records add the world size, each rank's peak memory and the NCCL time of an iteration:
+the all-reduces and all-gathers its forwards make, timed alone on this group at the same sizes (the collectives of
+a captured step cannot be timed apart from its kernels without a profiler).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def start() -> int:
+    """One GPU per rank (`LOCAL_RANK`), NCCL. Returns this rank."""
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    return dist.get_rank()
+
+
+def load_sharded(name: str, max_positions: int, model_dir: Path):
+    """`(model, None)`: the random-weight shape `name` sharded over the ranks. Rank 0 saves it first if `model_dir`
+    holds no checkpoint (the same seeded weights as the one-GPU runs)."""
+    import workloads
+    from transformers import AutoModelForCausalLM
+
+    if workloads.parse_workload(f"{name}:1x1").real_weights:
+        raise SystemExit(f"--tp runs the random-weight shapes only; {name}'s heads do not split over the ranks.")
+    if dist.get_rank() == 0 and not (model_dir / "config.json").exists():
+        model, _ = workloads.load_model(name, max_positions)
+        model.save_pretrained(model_dir, max_shard_size="20GB")
+        del model
+        torch.cuda.empty_cache()
+    dist.barrier()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model, None
+
+
+def per_rank_peaks(record: dict) -> dict:
+    """Every rank's peak and after-call memory (this rank's are in `record`)."""
+    mine = (record.get("peak_memory_GiB"), record.get("memory_after_GiB"))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return dict(per_rank_peak_memory_GiB=[p for p, _ in everyone], per_rank_memory_after_GiB=[a for _, a in everyone])
+
+
+def _collective_ms(collective, repeats: int = 30) -> float:
+    """Median time of one call of `collective` (CUDA events, after a warm-up)."""
+    times = []
+    for i in range(repeats + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        collective()
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def forward_nccl_ms(model, batch: int, tokens: int, logits_kept: int) -> float:
+    """The collectives of one forward of `tokens` tokens per row under the model's TP plan: an all-reduce of the
+    hidden states after every row-parallel projection (attention output and MLP down, per layer, and the embedding)
+    and the all-gather of the kept logits from the column-parallel LM head."""
+    text = model.config.get_text_config(decoder=True)
+    world = dist.get_world_size()
+    hidden = torch.empty(batch, tokens, text.hidden_size, dtype=model.dtype, device="cuda")
+    reduce_ms = _collective_ms(lambda: dist.all_reduce(hidden))
+    local = torch.empty(batch * logits_kept, text.vocab_size // world, dtype=model.dtype, device="cuda")
+    gathered = torch.empty(world * local.shape[0], local.shape[1], dtype=model.dtype, device="cuda")
+    gather_ms = _collective_ms(lambda: dist.all_gather_into_tensor(gathered, local))
+    return (2 * text.num_hidden_layers + 1) * reduce_ms + gather_ms
+
+
+def nccl_per_iteration(model, batch: int, config, capacity: int) -> dict:
+    """NCCL time of a dense step (gamma = 0) or a Vegas iteration (gamma one-token drafts and a verification of
+    gamma + 1 tokens), and, with `selection_heads="all"`, the verification's all-reduce of the fp32 scores of every
+    sparse layer over the cache's slots."""
+    if config.gamma == 0:
+        return dict(nccl_ms_per_iteration=forward_nccl_ms(model, batch, 1, 1))
+    gamma = config.gamma
+    ms = gamma * forward_nccl_ms(model, batch, 1, 1) + forward_nccl_ms(model, batch, gamma + 1, gamma + 1)
+    out = {}
+    if config.selection_heads == "all":
+        layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        scores = torch.empty(layers, batch, capacity, dtype=torch.float32, device="cuda")
+        out["selection_all_reduce_ms"] = _collective_ms(lambda: dist.all_reduce(scores))
+        ms += out["selection_all_reduce_ms"]
+    return dict(out, nccl_ms_per_iteration=ms)

@@ -1,0 +1,57 @@
+"""The throughput benchmark's tensor-parallel pieces that run without GPUs (the GPU run is
+`torchrun --nproc_per_node 2 benchmarks/throughput.py ...`, see `benchmarks/tensor_parallel_runs.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from hf_vegas import traffic
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+from throughput import vegas_config  # noqa: E402
+
+
+def test_vegas_all_is_the_vegas_policy_with_scores_averaged_over_every_head():
+    args = argparse.Namespace(gamma=6, sparsity=0.07, min_tokens=256, budget_boost=1.0, score="weights",
+                              compile=False)
+    everyone, local = vegas_config("vegas-all", args), vegas_config("vegas", args)
+    assert (everyone.policy, everyone.selection_heads) == ("vegas", "all")
+    assert (local.policy, local.selection_heads) == ("vegas", "local")
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("this torch build has no torch.distributed gloo backend")
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_weight_bytes_of_tensor_parallel_shards_count_the_whole_weights(one_rank_group):
+    """Under `tp_plan="auto"` the parameters are `DTensor`s, which have no data pointer of their own: the traffic
+    model counts their global bytes and tells tied from untied embeddings by their local shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    model = tiny_model("llama")
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untied
+    plain = traffic.weight_bytes(model)
+    mesh = init_device_mesh("cpu", (1,))
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            module.weight = torch.nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Replicate()]))
+    assert type(model.lm_head.weight).__name__ == "DTensor"
+    assert traffic.weight_bytes(model) == plain
+    embedding = model.model.embed_tokens.weight
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert plain == every - embedding.numel() * embedding.element_size(), "untied: a step reads one embedding row"
+    model.lm_head.weight = embedding  # tied: the embedding is the LM head, read whole
+    assert traffic.weight_bytes(model) == sum(p.numel() * p.element_size() for p in model.parameters())
