@@ -6,14 +6,13 @@
 Every rank runs the same generations; rank 0 writes the records and prints the table. A random-weight shape is built
 once (rank 0, seeded), saved to `--tp-model-dir` and loaded by every rank with `from_pretrained(..., tp_plan="auto")`,
 as a user loads a checkpoint. Records add the world size, each rank's peak memory and the NCCL time of an iteration:
-the all-reduces and all-gathers its forwards make, timed alone on this group at the same sizes (the collectives of
-a captured step cannot be timed apart from its kernels without a profiler).
+the all-reduces and all-gathers its forwards make, at the same sizes, captured in a CUDA graph as the steps are and
+timed alone on this group (inside a step they cannot be timed apart from its kernels without a profiler).
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 from pathlib import Path
 
 import torch
@@ -59,18 +58,23 @@ def per_rank_peaks(record: dict) -> dict:
     return dict(per_rank_peak_memory_GiB=[p for p, _ in everyone], per_rank_memory_after_GiB=[a for _, a in everyone])
 
 
-def _collective_ms(collective, repeats: int = 30) -> float:
-    """Median time of one call of `collective` (CUDA events, after a warm-up)."""
-    times = []
-    for i in range(repeats + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        collective()
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _graphed_ms(collectives, replays: int = 20) -> float:
+    """Mean time of `collectives` captured in one CUDA graph, as the captured steps run them (back to back, without
+    the host's launch costs), over `replays` replays after a warm-up."""
+    for _ in range(3):  # NCCL's communicators and buffers exist before the capture
+        collectives()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        collectives()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def forward_nccl_ms(model, batch: int, tokens: int, logits_kept: int) -> float:
@@ -79,12 +83,16 @@ def forward_nccl_ms(model, batch: int, tokens: int, logits_kept: int) -> float:
     and the all-gather of the kept logits from the column-parallel LM head."""
     text = model.config.get_text_config(decoder=True)
     world = dist.get_world_size()
-    hidden = torch.empty(batch, tokens, text.hidden_size, dtype=model.dtype, device="cuda")
-    reduce_ms = _collective_ms(lambda: dist.all_reduce(hidden))
-    local = torch.empty(batch * logits_kept, text.vocab_size // world, dtype=model.dtype, device="cuda")
+    hidden = torch.zeros(batch, tokens, text.hidden_size, dtype=model.dtype, device="cuda")
+    local = torch.zeros(batch * logits_kept, text.vocab_size // world, dtype=model.dtype, device="cuda")
     gathered = torch.empty(world * local.shape[0], local.shape[1], dtype=model.dtype, device="cuda")
-    gather_ms = _collective_ms(lambda: dist.all_gather_into_tensor(gathered, local))
-    return (2 * text.num_hidden_layers + 1) * reduce_ms + gather_ms
+
+    def collectives():
+        for _ in range(2 * text.num_hidden_layers + 1):
+            dist.all_reduce(hidden)
+        dist.all_gather_into_tensor(gathered, local)
+
+    return _graphed_ms(collectives)
 
 
 def nccl_per_iteration(model, batch: int, config, capacity: int) -> dict:
@@ -98,7 +106,7 @@ def nccl_per_iteration(model, batch: int, config, capacity: int) -> dict:
     out = {}
     if config.selection_heads == "all":
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        scores = torch.empty(layers, batch, capacity, dtype=torch.float32, device="cuda")
-        out["selection_all_reduce_ms"] = _collective_ms(lambda: dist.all_reduce(scores))
+        scores = torch.zeros(layers, batch, capacity, dtype=torch.float32, device="cuda")
+        out["selection_all_reduce_ms"] = _graphed_ms(lambda: dist.all_reduce(scores))
         ms += out["selection_all_reduce_ms"]
     return dict(out, nccl_ms_per_iteration=ms)

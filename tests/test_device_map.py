@@ -133,12 +133,13 @@ def test_each_layer_runs_with_its_device_current(monkeypatch):
 
 
 def _two_gpu_map(model) -> dict:
-    """Half the layers on GPU 0 (with the embeddings), half on GPU 1 (with the final norm and LM head)."""
+    """Half the layers on GPU 0 (with the embeddings), half on GPU 1 (with the final norm, and the LM head unless
+    it is the embedding: then the logits come from GPU 0)."""
     layers = len(model.model.layers)
     placed = {f"model.{name}": (1 if name == "norm" else 0) for name, _ in model.model.named_children()
               if name != "layers"}
     placed.update({f"model.layers.{i}": int(i >= layers // 2) for i in range(layers)})
-    return {**placed, "lm_head": 1}
+    return {**placed, "lm_head": 0 if model.config.get_text_config(decoder=True).tie_word_embeddings else 1}
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -306,7 +306,8 @@ def pooled_on_cpu(monkeypatch):
     """Lift the device check so CPU models go through the pool; their captures fail as on a CPU-only build (also on
     a GPU box, where capturing CPU ops would record an empty graph)."""
     device_check = graphs.no_graph_reason
-    monkeypatch.setattr(graphs, "no_graph_reason", lambda config, device: device_check(config, "cuda"))
+    monkeypatch.setattr(graphs, "no_graph_reason",
+                        lambda config, device, layer_devices=None: device_check(config, "cuda", layer_devices))
 
     def no_cuda():
         raise RuntimeError("no CUDA graphs for a CPU model")
