@@ -2,8 +2,9 @@
 
     python benchmarks/plot_throughput.py              # benchmarks/results/throughput.jsonl -> throughput.png
 
-One panel per (model, decoding): decode tokens/s of each method at each batch size (bars, log scale), with each
-method's memory-traffic bound as a tick above its bar. Projected values (random-weight shapes) are hatched.
+One panel per (model, decoding, and tensor-parallel world size where above 1): decode tokens/s of each method at
+each batch size (bars, log scale), with each method's memory-traffic bound as a tick above its bar (under tensor
+parallelism, over the GPUs' bandwidth together). Projected values (random-weight shapes) are hatched.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ def main() -> None:
     for r in records:
         if (args.commit is None or r["commit"] in args.commit) and "tokens_per_s" in r and not r.get("sweep") \
                 and not r.get("inductor"):
-            latest[(r["model"], r["decoding"], r["batch"], r["prompt_tokens"], r["method"])] = r
+            # a tensor-parallel run is its own panel ("qwen3-8b-shape, TP = 2"): its bars are those of N GPUs
+            model = r["model"] + (f", TP = {r['world_size']}" if r.get("world_size", 1) > 1 else "")
+            latest[(model, r["decoding"], r["batch"], r["prompt_tokens"], r["method"])] = r
     commit = ", ".join(sorted({r["commit"] for r in latest.values()}))
     panels = sorted({(m, d) for m, d, *_ in latest}, key=lambda p: (p[0] != "smollm2", p))
     gpus = sorted({_short(r["gpu"]) for r in latest.values()})
