@@ -34,7 +34,7 @@ def load_sharded(name: str, max_positions: int, model_dir: Path):
     """`(model, None)`: the random-weight shape `name` sharded over the ranks. Rank 0 saves it first if `model_dir`
     holds no checkpoint (the same seeded weights as the one-GPU runs)."""
     import workloads
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, DistributedConfig
 
     if workloads.parse_workload(f"{name}:1x1").real_weights:
         raise SystemExit(f"--tp runs the random-weight shapes only; {name}'s heads do not split over the ranks.")
@@ -44,7 +44,8 @@ def load_sharded(name: str, max_positions: int, model_dir: Path):
         del model
         torch.cuda.empty_cache()
     dist.barrier()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(tp_plan="auto"),
+                                                 dtype=torch.bfloat16).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model, None

@@ -92,8 +92,8 @@ def check_placement(model) -> None:
                 f"hf_vegas runs every layer where its weights are, but this model is spread over "
                 f"{', '.join(sorted(spread))} (a `device_map` that offloads to the CPU or disk): it runs on one "
                 "device, or with its layers on several GPUs (`device_map='auto'` with enough GPU memory for every "
-                "layer), or split over GPUs with tensor parallelism: `from_pretrained(..., tp_plan='auto')` under "
-                "`torchrun` (README, 'Multi-GPU')."
+                "layer), or split over GPUs with tensor parallelism: `from_pretrained(..., "
+                "distributed_config=DistributedConfig(tp_plan='auto'))` under `torchrun` (README, 'Multi-GPU')."
             )
 
 

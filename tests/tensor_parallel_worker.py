@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DistributedConfig
 
 import hf_vegas  # registers the short name "vegas"
 from hf_vegas._compat.internals import CACHE_KEYWORD
@@ -31,7 +31,7 @@ def main(model_dir: str, out_dir: str) -> None:
     if cuda:  # one GPU per rank, NCCL: the Triton kernels and CUDA graphs, with the all-reduces inside the graphs
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(tp_plan="auto"))
     ids = torch.randint(3, 128, (3, 60), generator=torch.Generator().manual_seed(1)).to(model.device)
     mask = torch.ones_like(ids)
     mask[1, :17] = 0  # left padding: rows of 60, 43 and 55 tokens
