@@ -77,6 +77,34 @@ def test_measured_timing_times_the_dense_path_and_every_configuration():
     assert report.measured_speedup == report.chosen["speedup"]
 
 
+def test_compiled_steps_are_measured_for_the_choice_only(monkeypatch, tmp_path):
+    """With `compile=True` each configuration would compile its own steps: the grid runs uncompiled (with graphs on
+    CUDA), then the chosen gamma and sparsity and the dense path run compiled, and the report keeps both."""
+    from hf_vegas.tune import search
+
+    calls = []
+    generate = search._Runner._generate
+    monkeypatch.setattr(search._Runner, "_generate", lambda self, config, new: calls.append(config) or generate(
+        self, config, new))
+    common = {**COMMON, "base_config": hf_vegas.VegasConfig(min_tokens=4, compile=True)}
+    report = tune(tiny_model("llama"), IDS, gammas=[2, 3], sparsities=[0.2, 0.5], timing="measured", **common)
+    uncompiled = [c for c in calls if not c.compile]
+    assert {(c.gamma, c.sparsity) for c in uncompiled if c.gamma} == {(r["gamma"], r["sparsity"]) for r in report.grid}
+    compiled = [c for c in calls if c.compile]
+    assert calls[-len(compiled):] == compiled, "compiled runs come after the whole grid"
+    assert {(c.gamma, c.sparsity) for c in compiled} == {(0, hf_vegas.VegasConfig.sparsity),
+                                                         (report.chosen["gamma"], report.chosen["sparsity"])}
+    assert report.config.compile and report.config.gamma in (0, report.chosen["gamma"])
+    numbers = report.compiled
+    assert (numbers["gamma"], numbers["sparsity"]) == (report.chosen["gamma"], report.chosen["sparsity"])
+    assert numbers["speedup"] == pytest.approx(numbers["tokens_per_s"] / numbers["dense_tokens_per_s"])
+    assert "compiled (the grid ran uncompiled)" in str(report)
+    assert TuneReport.load(report.save(tmp_path / "r.json")).compiled == numbers
+    calls.clear()
+    tune(tiny_model("llama"), IDS, gammas=[2], sparsities=[0.2], **common)  # traffic timing: nothing to confirm
+    assert calls and all(c.compile for c in calls)
+
+
 def test_measured_time_is_the_decode_less_the_prefill(monkeypatch):
     """Fake clocks: a full generation takes 1 s + 0.1 s per new token, a prefill-only call 1 s (plus 0.5 s with
     drafting, whose prefill also selects); each rate is its tokens over what the decode alone took."""

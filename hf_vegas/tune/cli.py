@@ -33,7 +33,9 @@ def main(argv=None) -> TuneReport:
     parser.add_argument("--sparsities", type=float, nargs="+", default=[0.03, 0.05, 0.07, 0.1, 0.15])
     parser.add_argument("--timing", choices=TIMINGS, default="auto")
     parser.add_argument("--sample", action="store_true", help="sampling (temperature 0.6, top-p 0.95), not greedy")
-    parser.add_argument("--compile", action="store_true", help="VegasConfig(compile=True) for every configuration")
+    parser.add_argument("--compile", action="store_true",
+                        help="VegasConfig(compile=True): the grid runs uncompiled, the choice and the dense path are "
+                             "then measured compiled")
     parser.add_argument("--out", default="tune.json", help="the report, as JSON")
     parser.add_argument("--plot", default=None, help="also draw the report to this PNG")
     parser.add_argument("--no-progress", action="store_true")

@@ -24,6 +24,9 @@ class TuneReport:
         timing (`str`): `"measured"` or `"traffic"`: where the speedups come from.
         plateau_sparsity (`float`): the ratio step 1 found, at which step 2 swept gamma.
         note (`str` or None): why the config is the dense path, when no configuration beat it.
+        compiled (`dict` or None): with `base_config=VegasConfig(compile=True)` and measured timing, the chosen
+            gamma and sparsity and the dense path measured with compiled steps (`tokens_per_s`,
+            `dense_tokens_per_s`, `speedup`); the grid itself ran uncompiled.
     """
 
     config: VegasConfig
@@ -37,6 +40,7 @@ class TuneReport:
     max_new_tokens: int
     device: str
     note: str | None = None
+    compiled: dict | None = None
 
     @property
     def predicted_speedup(self) -> float:
@@ -106,4 +110,7 @@ class TuneReport:
             lines.append(f"{r['step']:<30} {r['gamma']:>5} {r['sparsity']:>8g} {r['tokens_per_iteration']:>8.2f} "
                          f"{r['predicted_speedup']:>8.2f}x {r['speedup']:>7.2f}x")
         lines.append(f"chosen: {self.config!r}" + (f" ({self.note})" if self.note else ""))
+        if self.compiled:
+            lines.append(f"compiled (the grid ran uncompiled): gamma {self.compiled['gamma']}, sparsity "
+                         f"{self.compiled['sparsity']:g} at {self.compiled['speedup']:.2f}x the compiled dense path")
         return "\n".join(lines)

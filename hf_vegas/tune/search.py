@@ -44,7 +44,10 @@ def tune(
             one batch, as `generate` would run them.
         tokenizer: turns string prompts into a left-padded batch.
         gammas, sparsities: the grid (integers >= 1; ratios in (0, 1]).
-        base_config: the other `VegasConfig` fields (policy, score, min_tokens, budget_boost, compile, ...).
+        base_config: the other `VegasConfig` fields (policy, score, min_tokens, budget_boost, compile, ...). With
+            `compile=True` and measured timing, the grid runs with CUDA graphs but uncompiled (each configuration
+            would compile its own steps: minutes), and the chosen configuration and the dense path are then
+            measured compiled (`TuneReport.compiled`); the returned config keeps `compile=True`.
         max_new_tokens: tokens generated per configuration (at least 8).
         timing: `"measured"`, `"traffic"` or `"auto"` (measured on CUDA, traffic elsewhere); see the module doc.
         plateau: step 1 keeps the smallest ratio whose tokens per iteration are within this fraction of the best.
@@ -74,27 +77,38 @@ def tune(
         timing = "measured" if device.type == "cuda" else "traffic"
     ids, mask = _batch(prompts, tokenizer, model, device, generate_kwargs.pop("attention_mask", None))
 
-    runs = len(sparsities) * 2 + len(gammas) + (2 if timing == "measured" else 0)
+    # Compiled steps are measured for the choice only: ranking uncompiled keeps one compile per kind of step.
+    confirm = base.compile and timing == "measured"
+    searched = dataclasses.replace(base, compile=False) if confirm else base
+    runs = len(sparsities) * 2 + len(gammas) + (2 if timing == "measured" else 0) + (2 if confirm else 0)
     bar = _progress(runs, progress)
-    run = _Runner(model, base, ids, mask, max_new_tokens, timing, seed, generate_kwargs, bar)
+    run = _Runner(model, ids, mask, max_new_tokens, timing, seed, generate_kwargs, bar)
     grid: list[dict] = []
+    compiled = None
     try:
-        dense = run.dense() if timing == "measured" else None
+        dense = run.dense(searched) if timing == "measured" else None
         top_gamma = max(gammas)
-        step1 = [run.vegas(dataclasses.replace(base, gamma=top_gamma, sparsity=s), dense, "1: sparsity at max gamma")
-                 for s in sparsities]
+        step1 = [run.vegas(dataclasses.replace(searched, gamma=top_gamma, sparsity=s), dense,
+                           "1: sparsity at max gamma") for s in sparsities]
         grid += step1
         best_tpi = max(r["tokens_per_iteration"] for r in step1)
         stable = min(r["sparsity"] for r in step1 if r["tokens_per_iteration"] >= (1 - plateau) * best_tpi)
-        step2 = [run.vegas(dataclasses.replace(base, gamma=g, sparsity=stable), dense, "2: gamma") for g in gammas]
+        step2 = [run.vegas(dataclasses.replace(searched, gamma=g, sparsity=stable), dense, "2: gamma")
+                 for g in gammas]
         grid += step2
         gamma = max(step2, key=lambda r: r["speedup"])["gamma"]
-        step3 = [run.vegas(dataclasses.replace(base, gamma=gamma, sparsity=s), dense, "3: sparsity at chosen gamma")
-                 for s in sparsities]
+        step3 = [run.vegas(dataclasses.replace(searched, gamma=gamma, sparsity=s), dense,
+                           "3: sparsity at chosen gamma") for s in sparsities]
         grid += step3
+        best = max(step3, key=lambda r: r["speedup"])
+        if confirm:
+            compiled_dense = run.dense(base)
+            picked = dataclasses.replace(base, gamma=best["gamma"], sparsity=best["sparsity"])
+            compiled = dict(dense_tokens_per_s=compiled_dense["tokens_per_s"],
+                            **{k: v for k, v in run.vegas_once(picked, compiled_dense).items()
+                               if k in ("gamma", "sparsity", "tokens_per_s", "tokens_per_iteration", "speedup")})
     finally:
         bar.close()
-    best = max(step3, key=lambda r: r["speedup"])
     if best["speedup"] > 1:
         config, note = dataclasses.replace(base, gamma=best["gamma"], sparsity=best["sparsity"]), None
     else:
@@ -103,7 +117,7 @@ def tune(
                 "dense path (gamma=0)")
     return TuneReport(config=config, grid=grid, chosen=best, dense=dense, timing=timing, plateau_sparsity=stable,
                       batch=int(ids.shape[0]), prompt_tokens=int(mask.sum(dim=1).max()), max_new_tokens=max_new_tokens,
-                      device=str(device), note=note)
+                      device=str(device), note=note, compiled=compiled)
 
 
 def dense_config(base: VegasConfig) -> VegasConfig:
@@ -169,11 +183,12 @@ def _progress(total: int, enabled: bool):
 class _Runner:
     """One `generate` per configuration, timed or modelled; the dense path as the baseline."""
 
-    def __init__(self, model, base, ids, mask, max_new_tokens, timing, seed, generate_kwargs, bar):
-        self.model, self.base, self.ids, self.mask = model, base, ids, mask
+    def __init__(self, model, ids, mask, max_new_tokens, timing, seed, generate_kwargs, bar):
+        self.model, self.ids, self.mask = model, ids, mask
         self.new, self.timing, self.seed, self.kwargs, self.bar = max_new_tokens, timing, seed, generate_kwargs, bar
         self.context = int(mask.sum(dim=1).max()) + max_new_tokens // 2  # the longest row, halfway through the decode
-        self.prefill_s: dict[bool, float] = {}  # per kind (drafting or not): a drafting prefill also selects
+        # per kind (drafting or not: a drafting prefill also selects; compiled or not)
+        self.prefill_s: dict[tuple[bool, bool], float] = {}
         # Steps revisit configurations (step 2's largest gamma at the plateau ratio is step 1's; step 3's plateau
         # ratio is step 2's best): each runs once, its record reused under the later step's name.
         self.done: dict[tuple[int, float], dict] = {}
@@ -206,7 +221,7 @@ class _Runner:
                 return
 
     def _decode_seconds(self, config: VegasConfig, seconds: float) -> float:
-        kind = config.gamma > 0
+        kind = (config.gamma > 0, config.compile)
         if kind not in self.prefill_s:  # prefill-only calls, warm, once per kind for every configuration
             self._generate(config, 1)
             self.prefill_s[kind] = min(self._generate(config, 1)[1] for _ in range(2))
@@ -218,12 +233,12 @@ class _Runner:
         per_row = ((accepted + 1) * (accepted >= 0)).sum(dim=1).clamp_max(self.new - 1)
         return int(per_row.sum())
 
-    def dense(self) -> dict:
-        config = dense_config(self.base)
+    def dense(self, base: VegasConfig) -> dict:
+        config = dense_config(base)
         self._warm_up(config)
         out, seconds = self._generate(config, self.new)
         decode = self._decode_seconds(config, seconds)
-        self.bar.update(2)
+        self.bar.update(1 if base.compile else 2)
         return dict(tokens_per_s=self._made(out) / decode, decode_seconds=decode)
 
     def vegas(self, config: VegasConfig, dense: dict | None, step: str) -> dict:
@@ -232,6 +247,12 @@ class _Runner:
             self.done[key] = self._vegas(config, dense)
         self.bar.update(1)
         return {"step": step, **self.done[key]}
+
+    def vegas_once(self, config: VegasConfig, dense: dict) -> dict:
+        """`config` measured anew (the chosen configuration, compiled), not from the grid's records."""
+        record = self._vegas(config, dense)
+        self.bar.update(1)
+        return record
 
     def _vegas(self, config: VegasConfig, dense: dict | None) -> dict:
         if self.timing == "measured":
