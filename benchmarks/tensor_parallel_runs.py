@@ -13,6 +13,7 @@ timed alone on this group (inside a step they cannot be timed apart from its ker
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -38,9 +39,12 @@ def load_sharded(name: str, max_positions: int, model_dir: Path):
 
     if workloads.parse_workload(f"{name}:1x1").real_weights:
         raise SystemExit(f"--tp runs the random-weight shapes only; {name}'s heads do not split over the ranks.")
-    if dist.get_rank() == 0 and not (model_dir / "config.json").exists():
+    if dist.get_rank() == 0 and not model_dir.exists():
         model, _ = workloads.load_model(name, max_positions)
-        model.save_pretrained(model_dir, max_shard_size="20GB")
+        partial = model_dir.with_name(model_dir.name + ".partial")  # renamed once whole: a broken save is not reused
+        shutil.rmtree(partial, ignore_errors=True)
+        model.save_pretrained(partial, max_shard_size="20GB")
+        partial.rename(model_dir)
         del model
         torch.cuda.empty_cache()
     dist.barrier()
@@ -49,6 +53,14 @@ def load_sharded(name: str, max_positions: int, model_dir: Path):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model, None
+
+
+def any_rank_failed(failed: bool) -> bool:
+    """Whether this or any other rank's measurement failed: then no rank times its collectives (a rank that skipped
+    them would leave the others waiting)."""
+    flag = torch.tensor([int(failed)], device="cuda")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def per_rank_peaks(record: dict) -> dict:

@@ -324,6 +324,8 @@ def main() -> None:
                 raise
             record.update(error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
         if world > 1:  # (every rank: collectives)
+            if tensor_parallel_runs.any_rank_failed("error" in record) and "error" not in record:
+                record["error"] = "another rank's measurement failed"
             record.update(tensor_parallel_runs.per_rank_peaks(record))
             if "error" not in record:
                 timed = config or hf_vegas.VegasConfig(gamma=0)

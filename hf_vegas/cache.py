@@ -12,7 +12,8 @@ lengths and the current forward's layout, declared with `begin` before each forw
 `update`. `selection` (`hf_vegas.selection_state.SelectionState`): the slots each sparse layer's next draft
 reads. After acceptance the generate loop rolls rows back with `plan.rollback(new_lengths)`; HF's assisted loop
 uses `crop`. A model whose layers sit on several devices (`hf_vegas.placement`) gets a copy of both per other device,
-which follows the cache's own at that device's first layer of each forward; `state(layer)` says which a layer reads.
+which follows the cache's own at the first of that device's layers each forward reaches; `state(layer)` says which a
+layer reads.
 """
 
 from __future__ import annotations
@@ -143,11 +144,12 @@ class VegasCache(Cache):
                 vegas_config, len(types), windows, batch_size, capacity, device, own_layers=mine)
 
         self.plan, self.selection = state(self.device)
-        # Other devices' copies, each refreshed at its device's first layer (`begin_layer`).
+        # Other devices' copies, each refreshed at the first of its layers a forward reaches (`begin_layer`: not a
+        # fixed layer, as a model may skip some layers' cache, e.g. Mllama's cross-attention without images).
         copies = {d: state(d) for d in dict.fromkeys(devices) if d != self.device}
-        self._follow_at = {devices.index(d): copy for d, copy in copies.items()}
         self._states = [(self.plan, self.selection), *copies.values()]
         self._layer_state = [copies.get(d, self._states[0]) for d in devices]
+        self._copy_of_layer = {i: copies[d] for i, d in enumerate(devices) if d in copies}
         super().__init__(layers=[VegasLayer(self._layer_state[i][0], t == "sliding_attention", self.eager_ops,
                                             self.ops) for i, t in enumerate(types)])
 
@@ -161,7 +163,7 @@ class VegasCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self.begin_layer(layer_idx, key_states.shape[2])
-        if not self._follow_at:
+        if not self._copy_of_layer:
             return self.layers[layer_idx].update(key_states, value_states)
         with self.device_guard(layer_idx):
             return self.layers[layer_idx].update(key_states, value_states)
@@ -173,16 +175,16 @@ class VegasCache(Cache):
         if layer_idx == 0:
             self.plan.lay_out(num_tokens)
             self.selection.prepare(self.plan, num_tokens)
-        copy = self._follow_at.get(layer_idx) if self._follow_at else None
-        if copy is not None:  # the first layer on another device: its copy of the plan and selection catches up
+        copy = self._copy_of_layer.get(layer_idx) if self._copy_of_layer else None
+        if copy is not None and copy[0].forwards != self.plan.forwards:  # another device's first layer this forward
             copy[0].follow(self.plan)
             copy[1].follow(self.selection)
 
     # -- layers on several devices (`hf_vegas.placement`) --------------------------------------------------------
     @property
     def spread(self) -> bool:
-        """Whether the layers sit on several devices."""
-        return bool(self._follow_at)
+        """Whether some layer sits on another device than the cache's own (the inputs')."""
+        return bool(self._copy_of_layer)
 
     def state(self, layer_idx: int) -> tuple[StepPlan, SelectionState]:
         """The step plan and selection that layer `layer_idx` reads (on its device)."""

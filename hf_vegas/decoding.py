@@ -128,7 +128,7 @@ def generate(
     # Layers on several devices (`device_map`): each device's layers read their copy of the plan and selection.
     devices = placement.layer_devices(model)
     pooled = graphs.cache_for(model, input_ids.shape[0], capacity, config, input_ids.device, backend_name, devices)
-    fusing = backend_name == "triton" and config.fuse_projections and not _spread(devices, config)
+    fusing = backend_name == "triton" and config.fuse_projections and not _spread(devices, input_ids.device, config)
     recorder = StepRecorder(
         scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
@@ -151,10 +151,10 @@ def generate(
     return _finish(sequences, output, generation_config, streamer)
 
 
-def _spread(devices, config: VegasConfig) -> bool:
-    """Whether the layers sit on several devices; says once that the projections are not fused there (their fused
-    layers and one-launch kernels assume one device)."""
-    reason = placement.spread_reason(devices)
+def _spread(devices, main, config: VegasConfig) -> bool:
+    """Whether some layer sits on another device than the inputs (`main`); says once that the projections are not
+    fused there (their fused layers and one-launch kernels assume one device)."""
+    reason = placement.spread_reason(devices, main)
     if reason is not None and config.fuse_projections:
         graphs.log_once(logging.INFO, f"hf_vegas runs the model's own projections: {reason}.")
     return reason is not None

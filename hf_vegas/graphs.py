@@ -224,7 +224,7 @@ def no_graph_reason(config: VegasConfig, device: torch.device, layer_devices=Non
         return "vegas_cuda_graphs=False"
     if torch.device(device).type != "cuda":
         return f"CUDA graphs need a CUDA device, the model is on {torch.device(device).type}"
-    return placement.spread_reason(layer_devices) or selection.policy(config.policy).no_graph_reason
+    return placement.spread_reason(layer_devices, device) or selection.policy(config.policy).no_graph_reason
 
 
 @contextlib.contextmanager

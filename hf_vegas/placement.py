@@ -33,12 +33,15 @@ def layer_devices(model) -> list[torch.device] | None:
     return [device if device is not None else model.device for device in devices]
 
 
-def spread_reason(devices: list[torch.device] | None) -> str | None:
-    """Why a generation over layers on `devices` runs its steps eagerly and without fused projections, or None."""
-    if devices is None or len(set(devices)) < 2:
+def spread_reason(devices: list[torch.device] | None, main: torch.device) -> str | None:
+    """Why a generation whose prompt is on `main` and whose layers are on `devices` runs its steps eagerly and
+    without fused projections (some layer is on another device than the prompt), or None."""
+    main = torch.device(main)
+    if devices is None or all(torch.device(d) == main for d in devices):
         return None
     names = ", ".join(str(d) for d in dict.fromkeys(devices))
-    return f"the model's layers are spread over {names} (device_map): a CUDA graph is captured on one device"
+    return (f"the model's layers are on {names} and its inputs on {main} (device_map): a CUDA graph is captured on "
+            "one device")
 
 
 def device_guard(device: torch.device):

@@ -35,23 +35,30 @@ def one_rank_group(tmp_path):
 
 
 def test_weight_bytes_of_tensor_parallel_shards_count_the_whole_weights(one_rank_group):
-    """Under `tp_plan="auto"` the parameters are `DTensor`s, which have no data pointer of their own: the traffic
-    model counts their global bytes and tells tied from untied embeddings by their local shards."""
+    """Under `tp_plan="auto"` the parameters are `DTensor` shards, which have no data pointer of their own: the
+    traffic model counts their global bytes (here each weight is a half shard of a weight twice as tall, as on
+    two ranks) and tells tied from untied embeddings by their local shards."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard
 
     model = tiny_model("llama")
     model.config.tie_word_embeddings = False
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untied
-    plain = traffic.weight_bytes(model)
     mesh = init_device_mesh("cpu", (1,))
     for module in model.modules():
         if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-            module.weight = torch.nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Replicate()]))
+            local = module.weight.detach()
+            module.weight = torch.nn.Parameter(DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=torch.Size([2 * local.shape[0], local.shape[1]]),
+                stride=local.stride()))
     assert type(model.lm_head.weight).__name__ == "DTensor"
-    assert traffic.weight_bytes(model) == plain
     embedding = model.model.embed_tokens.weight
-    every = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert plain == every - embedding.numel() * embedding.element_size(), "untied: a step reads one embedding row"
+    every = sum(p.numel() * p.element_size() for p in model.parameters())  # DTensors: global sizes
+    linear_and_embedding = sum(m.weight.to_local().numel() * 2 * m.weight.element_size() for m in model.modules()
+                               if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)))
+    others = sum(p.numel() * p.element_size() for p in model.parameters() if not isinstance(p, DTensor))
+    assert every == linear_and_embedding + others, "the shards count as the whole (two-rank) weights"
+    assert traffic.weight_bytes(model) == every - embedding.numel() * embedding.element_size(), (
+        "untied: a step reads one embedding row")
     model.lm_head.weight = embedding  # tied: the embedding is the LM head, read whole
     assert traffic.weight_bytes(model) == sum(p.numel() * p.element_size() for p in model.parameters())

@@ -84,17 +84,23 @@ def test_compiled_steps_are_measured_for_the_choice_only(monkeypatch, tmp_path):
 
     calls = []
     generate = search._Runner._generate
-    monkeypatch.setattr(search._Runner, "_generate", lambda self, config, new: calls.append(config) or generate(
-        self, config, new))
+
+    def timed(self, config, new):  # fake clocks: drafting decodes faster than the dense path, so a choice is made
+        calls.append(config)
+        out, _ = generate(self, config, new)
+        return out, 1.0 + (0.02 if config.gamma else 0.1) * (new - 1)
+
+    monkeypatch.setattr(search._Runner, "_generate", timed)
     common = {**COMMON, "base_config": hf_vegas.VegasConfig(min_tokens=4, compile=True)}
     report = tune(tiny_model("llama"), IDS, gammas=[2, 3], sparsities=[0.2, 0.5], timing="measured", **common)
+    assert report.chosen["speedup"] > 1 and report.config.gamma > 0
     uncompiled = [c for c in calls if not c.compile]
     assert {(c.gamma, c.sparsity) for c in uncompiled if c.gamma} == {(r["gamma"], r["sparsity"]) for r in report.grid}
     compiled = [c for c in calls if c.compile]
     assert calls[-len(compiled):] == compiled, "compiled runs come after the whole grid"
     assert {(c.gamma, c.sparsity) for c in compiled} == {(0, hf_vegas.VegasConfig.sparsity),
                                                          (report.chosen["gamma"], report.chosen["sparsity"])}
-    assert report.config.compile and report.config.gamma in (0, report.chosen["gamma"])
+    assert report.config.compile and report.config.gamma == report.chosen["gamma"]
     numbers = report.compiled
     assert (numbers["gamma"], numbers["sparsity"]) == (report.chosen["gamma"], report.chosen["sparsity"])
     assert numbers["speedup"] == pytest.approx(numbers["tokens_per_s"] / numbers["dense_tokens_per_s"])
@@ -103,6 +109,29 @@ def test_compiled_steps_are_measured_for_the_choice_only(monkeypatch, tmp_path):
     calls.clear()
     tune(tiny_model("llama"), IDS, gammas=[2], sparsities=[0.2], **common)  # traffic timing: nothing to confirm
     assert calls and all(c.compile for c in calls)
+
+
+def test_a_choice_that_loses_once_compiled_is_the_dense_path(monkeypatch):
+    """The compiled confirmation decides: a choice slower than the compiled dense path gives the dense path (with
+    why), and a grid that never beat the dense path is not confirmed at all."""
+    from hf_vegas.tune import search
+
+    measured = {}  # speedup of the uncompiled grid and of the compiled confirmation
+
+    def fake(self, config, dense):
+        speedup = measured["compiled" if config.compile else "grid"]
+        return dict(gamma=config.gamma, sparsity=config.sparsity, tokens_per_iteration=2.0, iterations=4,
+                    predicted_speedup=1.0, tokens_per_s=speedup * dense["tokens_per_s"], speedup=speedup)
+
+    monkeypatch.setattr(search._Runner, "_vegas", fake)
+    common = {**COMMON, "base_config": hf_vegas.VegasConfig(min_tokens=4, compile=True)}
+    measured.update(grid=1.3, compiled=0.9)
+    report = tune(tiny_model("llama"), IDS, gammas=[2], sparsities=[0.2], timing="measured", **common)
+    assert report.config.gamma == 0 and report.config.compile and "compiled" in report.note
+    assert report.compiled["speedup"] == pytest.approx(0.9)
+    measured.update(grid=0.8, compiled=2.0)
+    report = tune(tiny_model("llama"), IDS, gammas=[2], sparsities=[0.2], timing="measured", **common)
+    assert report.config.gamma == 0 and report.compiled is None and "no configuration" in report.note
 
 
 def test_measured_time_is_the_decode_less_the_prefill(monkeypatch):

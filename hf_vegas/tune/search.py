@@ -101,16 +101,22 @@ def tune(
                            "3: sparsity at chosen gamma") for s in sparsities]
         grid += step3
         best = max(step3, key=lambda r: r["speedup"])
-        if confirm:
+        if confirm and best["speedup"] > 1:  # (a dense choice needs no confirmation)
             compiled_dense = run.dense(base)
             picked = dataclasses.replace(base, gamma=best["gamma"], sparsity=best["sparsity"])
             compiled = dict(dense_tokens_per_s=compiled_dense["tokens_per_s"],
                             **{k: v for k, v in run.vegas_once(picked, compiled_dense).items()
                                if k in ("gamma", "sparsity", "tokens_per_s", "tokens_per_iteration", "speedup")})
+        elif confirm:
+            bar.total -= 2
     finally:
         bar.close()
-    if best["speedup"] > 1:
+    if best["speedup"] > 1 and (compiled is None or compiled["speedup"] > 1):
         config, note = dataclasses.replace(base, gamma=best["gamma"], sparsity=best["sparsity"]), None
+    elif best["speedup"] > 1:
+        config = dense_config(base)
+        note = (f"the best configuration ({best['speedup']:.2f}x uncompiled) measured {compiled['speedup']:.2f}x the "
+                "dense path compiled: the config is the dense path (gamma=0)")
     else:
         config = dense_config(base)
         note = (f"no configuration beat the dense path (best {best['speedup']:.2f}x, {timing}): the config is the "
