@@ -64,6 +64,9 @@ def main(model_dir: str, out_dir: str) -> None:
         result["single_device"] = dict(greedy=single.sequences.tolist(), selection=_selection(
             getattr(single, CACHE_KEYWORD) or hf_vegas.graphs.pooled_cache(whole)))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    # Rank 0 ran one more generation: both ranks reach the teardown together (on 2 x H100 at 8e1468f the worker wrote
+    # both results and then did not exit within 120 s, past the one rank's early destroy_process_group).
+    dist.barrier()
     dist.destroy_process_group()
 
 
