@@ -60,3 +60,23 @@ def test_main_example_matches_vanilla():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "identical to vanilla greedy generate: True" in result.stdout
+
+
+@pytest.mark.parametrize("how", ["--device-map", "--tensor-parallel"])
+def test_multi_gpu_example_runs_both_placements_on_the_cpu(how, tmp_path):
+    """`examples/multi_gpu.py`, the README's two multi-GPU launch commands, on a tiny model: on the CPU the
+    device_map run holds the whole model and the tensor-parallel one runs two gloo ranks; both check Vegas greedy
+    against vanilla greedy and exit 1 otherwise."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    example = [str(ROOT / "examples" / "multi_gpu.py"), how, str(tmp_path / "model"), "--batch", "2",
+               "--prompt-tokens", "96", "--max-new-tokens", "12", "--gamma", "3"]
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+              if how == "--tensor-parallel" else [sys.executable])
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    result = subprocess.run(launch + example, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Vegas greedy identical to vanilla greedy: True" in result.stdout
+    assert ("rank 0 of 2" in result.stdout) == (how == "--tensor-parallel")
