@@ -4,6 +4,7 @@
     python benchmarks/profile_forward.py --eager                                            # every kernel launch
     python benchmarks/profile_forward.py --random-weights --sample                          # no GGUF needed
     python benchmarks/profile_forward.py --qwen3-8b-shape --batch 4 --prompt-tokens 32768 --compile
+    torchrun --nproc_per_node 2 benchmarks/profile_forward.py --qwen3-8b-shape ...   # under TP; rank 0's kernels
 
 Runs a warm-up generation (Triton compiles, graphs captured), then a second one in which the first draft (its gamma
 forwards and token choices), the first verify forward and the second iteration are each profiled on their own (one
@@ -86,11 +87,26 @@ def main() -> None:
     parser.add_argument("--sequence", type=int, default=0, metavar="N",
                         help="also list N consecutive kernels from the middle of each step kind, in launch order")
     parser.add_argument("--trace", metavar="DIR", help="also write each profiled step as a Chrome trace into DIR")
+    parser.add_argument("--tp-model-dir", type=Path, default=Path("/tmp/hf_vegas_tp_models"),
+                        help="under torchrun: where the shape is saved once for every rank to load with TP")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/profile_forward.py needs a CUDA GPU.")
-    model = load(args.random_weights, args.qwen3_8b_shape, args.prompt_tokens + args.new_tokens + 64)
-    ids = torch.randint(100, 40000, (args.batch, args.prompt_tokens), device="cuda")
+    positions = args.prompt_tokens + args.new_tokens + 64
+    import tensor_parallel_runs
+
+    if tensor_parallel_runs.world_size() > 1:  # every rank runs the same generations; rank 0 prints its kernels
+        if not args.qwen3_8b_shape:
+            raise SystemExit("Under torchrun, profile the random-weight --qwen3-8b-shape (SmolLM2's heads do not "
+                             "split over the ranks).")
+        leader = tensor_parallel_runs.start() == 0
+        model = tensor_parallel_runs.load_sharded("qwen3-8b-shape", positions,
+                                                  args.tp_model_dir / "qwen3-8b-shape")[0]
+    else:
+        leader, model = True, load(args.random_weights, args.qwen3_8b_shape, positions)
+    # the same prompts on every rank (seeded on the host)
+    ids = torch.randint(100, 40000, (args.batch, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    ids = ids.to("cuda")
     sampling = dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=0)
     decoding_args = sampling if args.sample else dict(do_sample=False)
     common = dict(max_new_tokens=args.new_tokens, custom_generate="vegas", pad_token_id=0, eos_token_id=None,
@@ -101,10 +117,12 @@ def main() -> None:
 
     peaks = {}
     for name, gamma in (("dense", 0), ("vegas", 6)):
+        torch.manual_seed(0)  # (under TP every rank draws the same tokens)
         model.generate(ids, **common, vegas_gamma=gamma)  # warm-up: compile, capture
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+        torch.manual_seed(0)
         model.generate(ids, **common, vegas_gamma=gamma)
         torch.cuda.synchronize()
         peaks[name] = (base, torch.cuda.max_memory_allocated())
@@ -155,13 +173,17 @@ def main() -> None:
     original_decode, StepRunner.decode = StepRunner.decode, profiled("decode", StepRunner.decode)
     decoding._Loop._iterate = iterate
     try:
+        torch.manual_seed(0)
         model.generate(ids, **common, vegas_gamma=6)
         hf_vegas.release_graphs(model)
+        torch.manual_seed(0)
         model.generate(ids, **common, vegas_gamma=0)  # a dense step, for comparison with the verification
     finally:
         StepRunner.draft, StepRunner.verify, StepRunner.prefill = original_draft, original_verify, original_prefill
         StepRunner.decode = original_decode
         decoding._Loop._iterate = original_iterate
+    if not leader:
+        return
 
     print(f"batch {args.batch} x {args.prompt_tokens}, {'sampling' if args.sample else 'greedy'}, "
           f"{'eager' if args.eager else 'graphs'}{' + compile' if args.compile else ''}"
