@@ -3,9 +3,9 @@ device_map="auto")` over several GPUs).
 
 The generate loop keeps its row state, the step plan and the selection on the device of the prompt (the model's
 first device). A layer on another device reads its own copy of them (`VegasCache` keeps one `StepPlan` and one
-`SelectionState` per device: the copies follow the first device's at that device's first layer of every forward),
-and its kernels launch on it (`device_guard`). Such a generation runs its steps eagerly: a CUDA graph is captured
-on one device.
+`SelectionState` per other device: each copy follows the prompt device's at the first of its layers a forward
+reaches), and its kernels launch on it (`device_guard`). A generation with any layer away from the prompt's device
+runs its steps eagerly (a CUDA graph is captured on one device) and with the model's own projections.
 """
 
 from __future__ import annotations

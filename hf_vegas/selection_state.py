@@ -57,6 +57,7 @@ class SelectionState:
         # The query rows whose scores rank the candidates in this forward (None: not selecting, or by position).
         self.score_rows: torch.Tensor | None = None
         self._score_rows_by_shape: dict[tuple[str, int], torch.Tensor | None] = {}  # built outside any capture
+        self._followed_rows: dict[int, torch.Tensor] = {}  # a copy's (`follow`): the main state's, by identity
         # A deferring policy (`last_token`): head-averaged scores of every scored verify row, until acceptance.
         self.row_scores: dict[int, torch.Tensor] = {}
         self._layer_scores: torch.Tensor | None = None
@@ -102,12 +103,15 @@ class SelectionState:
 
     def follow(self, main: SelectionState) -> None:
         """Take what `main.prepare` set for this forward, copied to this state's device (the selection of the layers
-        on another device, refreshed at that device's first layer)."""
+        on another device, refreshed at the first of them a forward reaches)."""
         self.gamma = main.gamma
         self.scored_layers = []
         self.selected_layers = set()
         self.choosing = main.choosing
-        self.score_rows = None if main.score_rows is None else main.score_rows.to(self.device, copy=True)
+        rows = main.score_rows  # one tensor per forward shape, kept by `main`: copied once per shape
+        if rows is not None and id(rows) not in self._followed_rows:
+            self._followed_rows[id(rows)] = rows.to(self.device, copy=True)
+        self.score_rows = None if rows is None else self._followed_rows[id(rows)]
         if self.choosing:
             self.sel_end.copy_(main.sel_end)
             self.sel_count.copy_(main.sel_count)
