@@ -150,6 +150,9 @@ class VegasCache(Cache):
         self._states = [(self.plan, self.selection), *copies.values()]
         self._layer_state = [copies.get(d, self._states[0]) for d in devices]
         self._copy_of_layer = {i: copies[d] for i, d in enumerate(devices) if d in copies}
+        # The copies that have not yet followed the current forward. Host state touched only for a spread model, whose
+        # steps run eagerly: a counter bumped every forward would fail dynamo's guards and recompile each compiled step.
+        self._behind: list[tuple[StepPlan, SelectionState]] = []
         super().__init__(layers=[VegasLayer(self._layer_state[i][0], t == "sliding_attention", self.eager_ops,
                                             self.ops) for i, t in enumerate(types)])
 
@@ -175,10 +178,15 @@ class VegasCache(Cache):
         if layer_idx == 0:
             self.plan.lay_out(num_tokens)
             self.selection.prepare(self.plan, num_tokens)
-        copy = self._copy_of_layer.get(layer_idx) if self._copy_of_layer else None
-        if copy is not None and copy[0].forwards != self.plan.forwards:  # another device's first layer this forward
+        if not self._copy_of_layer:
+            return
+        if layer_idx == 0:
+            self._behind = list(self._states[1:])
+        copy = self._copy_of_layer.get(layer_idx)
+        if copy is not None and any(copy is behind for behind in self._behind):  # its device's first layer reached
             copy[0].follow(self.plan)
             copy[1].follow(self.selection)
+            self._behind = [behind for behind in self._behind if behind is not copy]
 
     # -- layers on several devices (`hf_vegas.placement`) --------------------------------------------------------
     @property

@@ -46,8 +46,6 @@ class StepPlan:
         self.mode = "verify"
         # Whether this forward chooses the next draft's slots (a chunked prefill's chunks before the last do not).
         self.selects = True
-        # Forwards laid out so far: a copy on another device (`follow`) is current when it has seen as many.
-        self.forwards = 0
 
     def begin(self, mode: str, left_pad: torch.Tensor | None = None, verify_end: torch.Tensor | None = None,
               selects: bool = True) -> None:
@@ -82,7 +80,6 @@ class StepPlan:
         self.write_slots = torch.where(is_pad, self.capacity, slots)  # pads write into the scratch slot
         self.query_slots = slots.clamp_min(0)  # pad queries look at slot 0 only so their softmax stays finite
         self.lengths.copy_(self.write_start + (num_tokens - self.left_pad))
-        self.forwards += 1
         self.attend_lengths = torch.where(self.row_active, self.lengths, 0)
         self.prefill_left_pad = self.prefill_start = None
         if self.mode == "prefill":
@@ -91,7 +88,7 @@ class StepPlan:
     def follow(self, main: StepPlan) -> None:
         """Take `main`'s current forward, copied to this plan's device: the plan of the layers on another device
         (`hf_vegas.placement`), refreshed at the first of them that a forward reaches, after `main.lay_out`."""
-        self.mode, self.selects, self.forwards = main.mode, main.selects, main.forwards
+        self.mode, self.selects = main.mode, main.selects
         self.prefill_left_pad, self.prefill_start = main.prefill_left_pad, main.prefill_start
         self.lengths.copy_(main.lengths)
         for name in ("write_start", "write_slots", "query_slots", "attend_lengths"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_models import tiny_model
+from torch._dynamo.utils import counters
 from transformers import LogitsProcessorList
 
 import hf_vegas.cache
@@ -25,8 +26,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GAMMA = 3
 
 
-def _iterations(model, ids, backend: str, policy: str, compiled: bool, iterations: int = 2) -> list:
-    """Prefill, then `iterations` of draft + verify + greedy acceptance; returns what each step produced."""
+def _iterations(model, ids, backend: str, policy: str, compiled: bool, iterations: int = 2, after_each=None) -> list:
+    """Prefill, then `iterations` of draft + verify + greedy acceptance; returns what each step produced.
+    `after_each`: called after each iteration."""
     batch, prompt = ids.shape
     config = VegasConfig(gamma=GAMMA, sparsity=0.2, min_tokens=8, backend=backend, policy=policy)
     cache = VegasCache(model.config, batch, prompt + 4 * (GAMMA + 1), config, device=ids.device, backend=backend)
@@ -52,6 +54,8 @@ def _iterations(model, ids, backend: str, policy: str, compiled: bool, iteration
             pending = target[cache.plan.row_index, accepted]
             selected = cache.selection.sel_idx.clone(), cache.selection.sel_count.clone()
             seen.append((drafts.clone(), logits.float().clone(), selected))
+            if after_each is not None:
+                after_each()
     return seen
 
 
@@ -72,8 +76,15 @@ def test_compiled_steps_trace_whole_and_match_eager(arch, policy, backend, monke
     model = tiny_model(arch).to(DEVICE).eval()
     ids = torch.randint(3, 128, (3, 40), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with torch.no_grad():
-        eager = _iterations(model, ids, backend, policy, compiled=False)
-        compiled = _iterations(model, ids, backend, policy, compiled=True)
+        eager = _iterations(model, ids, backend, policy, compiled=False, iterations=3)
+        compiles = []
+        compiled = _iterations(model, ids, backend, policy, compiled=True, iterations=3,
+                               after_each=lambda: compiles.append(counters["stats"]["unique_graphs"]))
+    # No compilation in the last iteration: host state that changes every forward would fail dynamo's guards and
+    # recompile each step (and, inside a CUDA graph's capture, fail the capture). The second iteration may still
+    # compile once: its verification finds the score rows its first one cached (`generate` warms each step eagerly
+    # before compiling it, so it compiles each step once).
+    assert compiles[0] > 0 and compiles[2] == compiles[1], compiles
     for (drafts, logits, (sel_idx, sel_count)), (c_drafts, c_logits, (c_sel_idx, c_sel_count)) in zip(eager, compiled):
         torch.testing.assert_close(c_logits, logits, atol=1e-4, rtol=1e-4)
         assert torch.equal(c_drafts, drafts)
