@@ -34,6 +34,7 @@ class SelectionState:
         long = dict(dtype=torch.long, device=device)
         # Largest budget any row can need (boosted): the selection buffers are sized once, so no step reallocates.
         self.max_selected = config.max_budget(capacity)
+        self.capacity = capacity
         # A draft reads the selection plus the tail since `sel_end`: at most gamma accepted tokens and gamma drafts
         # (+1 for prefill's pending token). Kernels size their splits with it; it is a hint, never a cut.
         tail = 2 * config.max_gamma + 1
@@ -130,6 +131,12 @@ class SelectionState:
             torch.distributed.all_reduce(scores, group=self.group)
             scores.div_(self._group_size)
         return scores
+
+    def selectable(self, scores: torch.Tensor) -> torch.Tensor:
+        """`scores` `(..., slots)` cut to the slots that can be candidates: the cache's last slot is the pads' scratch
+        slot, never one. A selection over a power-of-two capacity then keeps each row in one register block (SmolLM2 at
+        64 x 7.5K, 8192 slots, on an H100: 0.61 ms per verification over 8193 slots, 0.23 over 8192)."""
+        return scores[..., :self.capacity]
 
     def store(self, layer_idx: int, indices: torch.Tensor) -> None:
         self.sel_idx[layer_idx].copy_(indices)
