@@ -88,6 +88,9 @@ def main(argv=None) -> dict:
     if tuned.compiled:
         print(f"compiled: the choice {tuned.compiled['tokens_per_s']:.0f} tok/s against the compiled dense path's "
               f"{tuned.compiled['dense_tokens_per_s']:.0f}: {tuned.compiled['speedup']:.2f}x")
+        for name in ("eager_reason", "dense_eager_reason"):  # a compiled measurement that ran eagerly says so
+            if tuned.compiled.get(name):
+                print(f"  ({name}: {tuned.compiled[name]})")
     return record
 
 

@@ -151,7 +151,8 @@ class VegasCache(Cache):
         self._layer_state = [copies.get(d, self._states[0]) for d in devices]
         self._copy_of_layer = {i: copies[d] for i, d in enumerate(devices) if d in copies}
         # The copies that have not yet followed the current forward. Host state touched only for a spread model, whose
-        # steps run eagerly: a counter bumped every forward would fail dynamo's guards and recompile each compiled step.
+        # steps run eagerly: a counter bumped every forward would fail dynamo's guards and recompile every compiled
+        # step.
         self._behind: list[tuple[StepPlan, SelectionState]] = []
         super().__init__(layers=[VegasLayer(self._layer_state[i][0], t == "sliding_attention", self.eager_ops,
                                             self.ops) for i, t in enumerate(types)])

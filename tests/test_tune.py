@@ -105,6 +105,8 @@ def test_compiled_steps_are_measured_for_the_choice_only(monkeypatch, tmp_path):
     assert (numbers["gamma"], numbers["sparsity"]) == (report.chosen["gamma"], report.chosen["sparsity"])
     assert numbers["speedup"] == pytest.approx(numbers["tokens_per_s"] / numbers["dense_tokens_per_s"])
     assert "compiled (the grid ran uncompiled)" in str(report)
+    # On the CPU nothing is captured: the compiled numbers say they ran eagerly, and the report repeats it.
+    assert numbers["eager_reason"] and numbers["dense_eager_reason"] and "its steps ran eagerly" in str(report)
     assert TuneReport.load(report.save(tmp_path / "r.json")).compiled == numbers
     calls.clear()
     tune(tiny_model("llama"), IDS, gammas=[2], sparsities=[0.2], **common)  # traffic timing: nothing to confirm

@@ -113,4 +113,7 @@ class TuneReport:
         if self.compiled:
             lines.append(f"compiled (the grid ran uncompiled): gamma {self.compiled['gamma']}, sparsity "
                          f"{self.compiled['sparsity']:g} at {self.compiled['speedup']:.2f}x the compiled dense path")
+            ran_eagerly = self.compiled.get("eager_reason") or self.compiled.get("dense_eager_reason")
+            if ran_eagerly:  # the compiled steps could not be captured: these are eager numbers
+                lines.append(f"  but its steps ran eagerly: {ran_eagerly}")
         return "\n".join(lines)

@@ -105,8 +105,10 @@ def tune(
             compiled_dense = run.dense(base)
             picked = dataclasses.replace(base, gamma=best["gamma"], sparsity=best["sparsity"])
             compiled = dict(dense_tokens_per_s=compiled_dense["tokens_per_s"],
+                            dense_eager_reason=compiled_dense["eager_reason"],
                             **{k: v for k, v in run.vegas_once(picked, compiled_dense).items()
-                               if k in ("gamma", "sparsity", "tokens_per_s", "tokens_per_iteration", "speedup")})
+                               if k in ("gamma", "sparsity", "tokens_per_s", "tokens_per_iteration", "speedup",
+                                        "eager_reason")})
         elif confirm:
             bar.total -= 2
     finally:
@@ -226,6 +228,14 @@ class _Runner:
             if steps is None or steps.captures == before or steps.disabled_reason is not None:
                 return
 
+    def _eager_reason(self) -> str | None:
+        """Why the last timed generation ran its steps eagerly (a failed capture, graphs off), or None: a compiled
+        measurement that fell back to eager steps would otherwise pass for a compiled one."""
+        from .. import graphs
+
+        steps = graphs.pooled_graphs(self.model)
+        return "not pooled (no CUDA graphs)" if steps is None else steps.disabled_reason
+
     def _decode_seconds(self, config: VegasConfig, seconds: float) -> float:
         kind = (config.gamma > 0, config.compile)
         if kind not in self.prefill_s:  # prefill-only calls, warm, once per kind for every configuration
@@ -245,7 +255,7 @@ class _Runner:
         out, seconds = self._generate(config, self.new)
         decode = self._decode_seconds(config, seconds)
         self.bar.update(1 if base.compile else 2)
-        return dict(tokens_per_s=self._made(out) / decode, decode_seconds=decode)
+        return dict(tokens_per_s=self._made(out) / decode, decode_seconds=decode, eager_reason=self._eager_reason())
 
     def vegas(self, config: VegasConfig, dense: dict | None, step: str) -> dict:
         key = (config.gamma, config.sparsity)
@@ -280,7 +290,7 @@ class _Runner:
                                                                 batch_rate, rejection)
         if self.timing == "measured":
             decode = self._decode_seconds(config, seconds)
-            record.update(tokens_per_s=made / decode, decode_seconds=decode)
+            record.update(tokens_per_s=made / decode, decode_seconds=decode, eager_reason=self._eager_reason())
             record["speedup"] = record["tokens_per_s"] / dense["tokens_per_s"]
         else:
             record["speedup"] = record["predicted_speedup"]
