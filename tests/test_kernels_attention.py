@@ -307,9 +307,9 @@ def test_the_last_split_merges_in_the_kernel(monkeypatch, interpreter_sms, combi
     args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
 
     def run(fused):
-        for kind in ("sparse", "sparse_wide_head", "dense", "verify"):
-            monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], "waves": 6, "block_n": 16,
-                                                       "fused_combine": fused})
+        for kind in ("sparse", "sparse_wide_head", "dense", "verify"):  # (no kind's own split limit: the module's)
+            own = {k: v for k, v in _launch.TUNING[kind].items() if k != "fused_combine_max_splits"}
+            monkeypatch.setitem(_launch.TUNING, kind, {**own, "waves": 6, "block_n": 16, "fused_combine": fused})
         draft = kernels.sparse_draft_attention(case.q, poisoned(case.k, sparse_ok), poisoned(case.v, sparse_ok),
                                                *args)
         dense = kernels.dense_attention(case.q, poisoned(case.k, dense_ok), poisoned(case.v, dense_ok),
@@ -340,6 +340,14 @@ def test_the_last_split_merges_in_the_kernel(monkeypatch, interpreter_sms, combi
                                     case.kv_len, case.scaling)
     assert len(combine_launches) == 1, "past FUSED_COMBINE_MAX_SPLITS the combine launch merges"
     _assert_close(dense, launched[1], torch.float32)
+    monkeypatch.setattr(_launch, "FUSED_COMBINE_MAX_SPLITS", 8)
+    for kind in ("dense", "verify"):  # (a forward of several tokens runs the verify kind)
+        monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], "fused_combine_max_splits": 2})
+    combine_launches.clear()
+    dense = kernels.dense_attention(case.q, poisoned(case.k, dense_ok), poisoned(case.v, dense_ok), case.q_slot,
+                                    case.kv_len, case.scaling)
+    assert len(combine_launches) == 1, "past a kind's own fused_combine_max_splits the combine launch merges"
+    _assert_close(dense, launched[1], torch.float32)
 
 
 def test_a_larger_ticket_buffer_keeps_the_replaced_one_alive(monkeypatch):
@@ -364,8 +372,8 @@ def test_sinks_in_every_kernel(monkeypatch, interpreter_sms, combine_launches, h
     verification's softmax-weight scores against the reference's weights with the sinks in their denominators."""
     sinks = torch.linspace(-2.0, 3.0, q_heads, device=DEVICE)
     for kind in ("sparse", "sparse_wide_head", "dense", "verify"):
-        monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], "waves": waves, "block_n": 16,
-                                                   "fused_combine": fused})
+        own = {k: v for k, v in _launch.TUNING[kind].items() if k != "fused_combine_max_splits"}  # (the module's)
+        monkeypatch.setitem(_launch.TUNING, kind, {**own, "waves": waves, "block_n": 16, "fused_combine": fused})
     tokens = 4
     case = make_case(LENGTHS, [tokens + 1] * 3, tokens, head_dim, q_heads, kv_heads, seed=13)
     readable = sparse_readable(case)

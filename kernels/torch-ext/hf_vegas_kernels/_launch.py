@@ -20,22 +20,27 @@ import torch
 #
 # `fused_combine`: the last split of each (row, KV head) merges the splits' states in the kernel instead of a combine
 # launch (`kernel_bandwidth.py --tuning`, SmolLM2 batch 64 x 7.5K, H100, commit 82ade28): dense 145.0 -> 139.9 us,
-# verify 149.8 -> 144.2, verify with softmax-weight scores 170.6 -> 163.6. Sparse drafts gained nothing from it (the
-# sweep's best at batch 64 is 17.9 us either way, at batch 16 9.3 without, 9.7 with), so they keep their settings.
+# verify 149.8 -> 144.2, verify with softmax-weight scores 170.6 -> 163.6. Sparse drafts of one unboosted list gained
+# nothing from it (the sweep's best at batch 64 is 17.9 us either way, at batch 16 9.3 without, 9.7 with, five
+# splits). With the budget boost, batch 64 splits each list in two (`draft_split_len`) and launches the combine after
+# every draft layer; merging those two in the kernel (`fused_combine_max_splits` 2: a kind's own limit) took a SmolLM2
+# 64 x 7.5K greedy iteration's six draft steps from 8.18 to 8.02 ms and the whole iteration from 16.18 to 15.76 ms
+# (`throughput.py --tuning sparse:fused_combine=1`, real model, compiled, H100, same call, commit 9eb3d03).
 #
 # `sparse_wide_head`: sparse drafts with head_dim 128 (Qwen3-8B shape at 32K, a 2.3K-slot selection; `--sweep
 # --draft-only --shapes qwen3-8b`, H100, commit a95ad78, kernels_sweep.jsonl) want two pipeline stages, whose tiles
 # leave room for more programs per SM: 20.0 us at batch 4 and 64.3 at batch 16, against 24.1 and 68.9 with the head_dim
 # 64 setting (the best single settings were 19.1 and 61.2 us).
 TUNING = {
-    "sparse": {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 2, "nearest": True},
+    "sparse": {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 2, "nearest": True, "fused_combine": True,
+               "fused_combine_max_splits": 2},
     "sparse_wide_head": {"block_n": 128, "num_warps": 4, "num_stages": 2, "waves": 2},
     "dense": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "fused_combine": True},
     "verify": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "fused_combine": True},
     "verify_wide_head": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 8},
 }
-# The in-kernel merge reads the splits one after the other: past this many, the combine launch (parallel over query
-# rows, vectorised over splits) is used instead.
+# The in-kernel merge reads the splits one after the other: past this many (or a kind's `fused_combine_max_splits`),
+# the combine launch (parallel over query rows, vectorised over splits) is used instead.
 FUSED_COMBINE_MAX_SPLITS = 8
 
 # Launch parameters of the projection kernels (`linear.py`) per op, for forwards of at most 64 rows (a draft step of

@@ -332,7 +332,8 @@ def attend(
     single = splits == 1 and sparse
     # Several splits: the last one of each (row, KV head) merges them in the kernel where the tuning says so and they
     # are few (its merge loop is sequential), else the combine launch does.
-    fused = not single and tuning.get("fused_combine", False) and splits <= _launch.FUSED_COMBINE_MAX_SPLITS
+    fused = (not single and tuning.get("fused_combine", False)
+             and splits <= tuning.get("fused_combine_max_splits", _launch.FUSED_COMBINE_MAX_SPLITS))
     parts = 1 if single else batch * kv_heads * splits * rows  # split states, for the combine
     m_part = _launch.empty(parts, **f32)
     l_part = _launch.empty(parts, **f32)
