@@ -225,3 +225,31 @@ def test_the_cli_tunes_the_embedded_smollm2(tmp_path):
     assert (tmp_path / "tune.json").exists() and (tmp_path / "tune.png").exists()
     assert report.timing == "traffic" and report.batch == 2 and len(report.grid) == 6
     assert all(r["tokens_per_iteration"] > 1 for r in report.grid), "a trained model accepts drafts"
+
+
+def test_a_compiled_measurement_says_how_its_own_steps_ran(monkeypatch):
+    """`eager_reason` is read right after each timed call: the prefill-only calls that follow may land in another
+    capacity bucket, whose fresh pooled graphs would report no failure for a timed call whose capture failed."""
+    import types
+
+    from hf_vegas import graphs
+    from hf_vegas.tune import search
+
+    generate = search._Runner._generate
+    state = {"reason": None}
+
+    def timed(self, config, new):  # each timed call's capture fails; each prefill-only call's "bucket" is fresh
+        out, _ = generate(self, config, new)
+        state["reason"] = "capturing the draft step failed (test)" if new > 1 else None
+        return out, 1.0 + (0.02 if config.gamma else 0.1) * (new - 1)
+
+    monkeypatch.setattr(search._Runner, "_generate", timed)
+    monkeypatch.setattr(graphs, "pooled_graphs", lambda model: types.SimpleNamespace(
+        captures=0, disabled_reason=state["reason"]))
+    common = {**COMMON, "base_config": hf_vegas.VegasConfig(min_tokens=4, compile=True)}
+    report = tune(tiny_model("llama"), IDS, gammas=[2], sparsities=[0.2], timing="measured", **common)
+    assert report.compiled is not None
+    assert report.compiled["eager_reason"] == "capturing the draft step failed (test)"
+    assert report.compiled["dense_eager_reason"] == "capturing the draft step failed (test)"
+    assert all(r["eager_reason"] == "capturing the draft step failed (test)" for r in report.grid)
+    assert "its steps ran eagerly: capturing the draft step failed (test)" in str(report)

@@ -229,8 +229,9 @@ class _Runner:
                 return
 
     def _eager_reason(self) -> str | None:
-        """Why the last timed generation ran its steps eagerly (a failed capture, graphs off), or None: a compiled
-        measurement that fell back to eager steps would otherwise pass for a compiled one."""
+        """Why the last generation ran its steps eagerly (a failed capture, graphs off), or None: a compiled
+        measurement that fell back to eager steps would otherwise pass for a compiled one. Read right after the timed
+        call: a later call of another capacity bucket replaces the pooled graphs."""
         from .. import graphs
 
         steps = graphs.pooled_graphs(self.model)
@@ -253,9 +254,10 @@ class _Runner:
         config = dense_config(base)
         self._warm_up(config)
         out, seconds = self._generate(config, self.new)
+        ran_eagerly = self._eager_reason()  # before the prefill-only calls, whose cache may take another pool bucket
         decode = self._decode_seconds(config, seconds)
         self.bar.update(1 if base.compile else 2)
-        return dict(tokens_per_s=self._made(out) / decode, decode_seconds=decode, eager_reason=self._eager_reason())
+        return dict(tokens_per_s=self._made(out) / decode, decode_seconds=decode, eager_reason=ran_eagerly)
 
     def vegas(self, config: VegasConfig, dense: dict | None, step: str) -> dict:
         key = (config.gamma, config.sparsity)
@@ -274,6 +276,7 @@ class _Runner:
         if self.timing == "measured":
             self._warm_up(config)  # this configuration's kernels, compilations and graphs
         out, seconds = self._generate(config, self.new)
+        ran_eagerly = self._eager_reason() if self.timing == "measured" else None  # (as in `dense`)
         iterations = int(out.accepted.shape[1])
         if iterations == 0:
             raise ValueError("Every prompt ended at its first new token (EOS): there is nothing to tune on. Pass "
@@ -290,7 +293,7 @@ class _Runner:
                                                                 batch_rate, rejection)
         if self.timing == "measured":
             decode = self._decode_seconds(config, seconds)
-            record.update(tokens_per_s=made / decode, decode_seconds=decode, eager_reason=self._eager_reason())
+            record.update(tokens_per_s=made / decode, decode_seconds=decode, eager_reason=ran_eagerly)
             record["speedup"] = record["tokens_per_s"] / dense["tokens_per_s"]
         else:
             record["speedup"] = record["predicted_speedup"]
