@@ -175,6 +175,8 @@ def main() -> None:
     try:
         torch.manual_seed(0)
         model.generate(ids, **common, vegas_gamma=6)
+        steps = hf_vegas.graphs.pooled_graphs(model)  # a failed capture runs eagerly: the header must say so
+        ran_eagerly = "not pooled" if steps is None else steps.disabled_reason
         hf_vegas.release_graphs(model)
         torch.manual_seed(0)
         model.generate(ids, **common, vegas_gamma=0)  # a dense step, for comparison with the verification
@@ -188,6 +190,8 @@ def main() -> None:
     print(f"batch {args.batch} x {args.prompt_tokens}, {'sampling' if args.sample else 'greedy'}, "
           f"{'eager' if args.eager else 'graphs'}{' + compile' if args.compile else ''}"
           f"{'' if args.no_fuse else ', fused projections'}")
+    if not args.eager and ran_eagerly:
+        print(f"BUT the Vegas steps ran eagerly: {ran_eagerly}")
     for kind in ("draft", "verify", "iteration", "decode"):
         print(f"\n== one {kind}{' (gamma = 6 forwards and token choices)' if kind == 'draft' else ''}"
               f"{' (a dense step, gamma = 0)' if kind == 'decode' else ''}:")

@@ -166,7 +166,7 @@ def _flush_scored(cache: VegasCache, layer: int) -> None:
     scores = sel.layer_scores(0)
     if sel.group is not None:  # `selection_heads="all"`: the scored layers' scores averaged over the TP ranks
         scores.index_copy_(0, layers, sel.pool(scores.index_select(0, layers)))
-    cache.ops.select_topk(sel.selectable(scores), sel.sel_count, sel.sel_end, sel.buffer(), layers=layers)
+    sel.select(cache.ops, scores, layers=layers)
     sel.scored_layers = []
 
 
@@ -199,8 +199,7 @@ def _select_for_the_draft_query(cache: VegasCache, ops, layer: int, query, key, 
     plan, sel = cache.state(layer)
     scores = cache.torch_ops.row_scores(query, key, plan.query_slots, plan.lengths, sel.sel_end, scaling, "weights",
                                         **extra, cand_start=sel.cand_start[layer])
-    ops.select_topk(sel.selectable(sel.pool(scores[:, 0].contiguous())), sel.sel_count[layer], sel.sel_end,
-                    sel.buffer()[layer])
+    sel.select(ops, sel.pool(scores[:, 0].contiguous()), layer=layer)
 
 
 def select_from_rows(cache: VegasCache, rows: torch.Tensor) -> None:
@@ -211,7 +210,7 @@ def select_from_rows(cache: VegasCache, rows: torch.Tensor) -> None:
             kept = rows.to(sel.device)
             for layer, scores in sel.row_scores.items():
                 picked = sel.pool(scores[plan.row_index, kept])  # (B, S)
-                cache.ops.select_topk(sel.selectable(picked), sel.sel_count[layer], sel.sel_end, sel.buffer()[layer])
+                sel.select(cache.ops, picked, layer=layer)
         sel.row_scores.clear()
 
 

@@ -184,10 +184,10 @@ class VegasCache(Cache):
         if layer_idx == 0:
             self._behind = list(self._states[1:])
         copy = self._copy_of_layer.get(layer_idx)
-        if copy is not None and any(copy is behind for behind in self._behind):  # its device's first layer reached
+        if copy in self._behind:  # its device's first layer this forward reached (copies compare by identity)
             copy[0].follow(self.plan)
             copy[1].follow(self.selection)
-            self._behind = [behind for behind in self._behind if behind is not copy]
+            self._behind.remove(copy)
 
     # -- layers on several devices (`hf_vegas.placement`) --------------------------------------------------------
     @property

@@ -208,8 +208,8 @@ def test_sliding_layers_are_never_sparsified():
 @pytest.mark.parametrize("policy", ["vegas", "last_token", "oracle"])
 def test_selections_never_rank_the_scratch_slot(policy, monkeypatch):
     """Every selection ranks the cache's `capacity` slots, not its extra scratch slot (the pads' writes): a row of one
-    slot past a power of two would double the kernel's register block (8193 slots: 0.61 ms per verification at
-    SmolLM2 64 x 7.5K on an H100, 0.23 over 8192), and the scratch slot is never a candidate."""
+    slot past a power of two would double the kernel's register block (`kernels/.../select.py`), and the scratch
+    slot is never a candidate."""
     from tiny_models import ragged_batch
 
     widths = []

@@ -11,9 +11,10 @@ A row of at most `ROW_IN_REGISTERS` slots is loaded once and kept in registers (
 then found by bisection, one reduction per bit (32), and the slots are written with one scan. Reloading the row for
 each of the threshold passes cost 0.59 ms per verification at SmolLM2 64 x 7.5K (30 layers, 1 920 programs) on an
 H100, against a ~20 us read of the scores. The block is the row's slot count rounded up to a power of two, so callers
-pass only the slots that can be candidates (`SelectionState.selectable`): on an H100 (30 layers x 64 rows, random
-scores) 8193 slots, a power-of-two capacity plus the cache's scratch slot, took 0.61 ms and 8192 slots 0.23 ms.
-Radix passes of 8 bits through `tl.histogram` (0.45 ms at best) and four-way bisection (0.28 ms) were slower.
+pass only the slots that can be candidates (`SelectionState.select`): on an H100 (30 layers x 64 rows, random
+scores; a one-off timing script, not kept) 8193 slots, a power-of-two capacity plus the cache's scratch slot, took
+0.61 ms and 8192 slots 0.23 ms; radix passes of 8 bits through `tl.histogram` (0.45 ms at best) and four-way
+bisection (0.28 ms) were slower. End to end: README, "Fewer, overlapped launches".
 """
 
 from __future__ import annotations
