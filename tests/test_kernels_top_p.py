@@ -38,7 +38,7 @@ def _filter(scores, top_p, poison):
 def poison(monkeypatch):
     def apply(module):
         def nan_empty(*shape, dtype, device):
-            junk = float("nan") if dtype.is_floating_point else -(2**40)
+            junk = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
             return torch.full(shape, junk, dtype=dtype, device=device)
 
         monkeypatch.setattr(module._launch, "empty", nan_empty)

@@ -9,16 +9,18 @@ probability is at most `1 - top_p` (ties in ascending index order, as a stable s
 
 and keeps the rest (at least one token: the highest-index one scored `t_c`). `t_c` is pinned by a threshold search
 over order-preserving int32 keys of the scores: each pass measures `G` at 16 thresholds and keeps the bracket that
-holds `t_c`, so 8 passes pin all 32 bits. Every pass is one launch of (row, chunk) programs: a row is spread over
-the whole GPU instead of one program re-reading it a dozen times (one program per row measured 1.3 ms for 448 rows
-of 49K on an H100, these launches 1.0 ms, the sort 2.8 ms). A pass's programs each rebuild their row's bracket
-from the previous pass's per-chunk masses, in the same order, so all of them agree; 11 launches in all, no host
-synchronisation.
+holds `t_c`, so 8 passes pin all 32 bits. Every launch runs (row, chunk) programs, so a row is spread over the whole
+GPU; a pass's programs each rebuild their row's bracket from the previous pass's per-chunk masses, in the same order,
+so all of them agree, and no launch waits on the host.
 
-Tried and dropped (79809b6): starting the search at `[max - ln(V / (1 - top_p)) - 1, max]` and shrinking each bracket
-to the keys of the tokens inside it pinned most rows after 3-5 passes, and the later passes read nothing; but the
-extra per-interval key minimum and maximum made the passes that run dearer than the skipped ones saved (H100,
-`benchmarks/top_p.py`: 64 x 49K 214 us against 164, 448 x 49K 1045 against 1030).
+Only a few tokens of a row can hold the cut. Each token scored at most `t_lo = max + ln((1 - top_p) * Z / V) - 1`
+(`Z` the softmax sum over `exp(x - max)`, `V` the vocabulary) has a probability below `(1 - top_p) / (e V)`, so all
+of them together stay below `1 - top_p`: `t_c > t_lo`. One launch therefore sums the mass below `t_lo` and compacts
+the scores above it into a per-chunk list (in index order), and the threshold passes read only their lists, each
+keeping for the next the entries still inside its bracket. Three launches read the whole row (softmax statistics,
+compaction, the filtered copy); the other nine read lists of a few entries when the distribution is peaked, and
+never more than the row. Before (commit e0b2096) each of the 8 passes compared every score with its 16 thresholds:
+see `benchmarks/top_p.py` for both against the warper's sort.
 
 The cumulative sums are fp32 sums in another order than the sort's scan, so a token whose cumulative probability
 lies within rounding of `1 - top_p` may fall on the other side (as it may between two GPUs running the warper).
@@ -37,11 +39,10 @@ from . import _launch
 MIN_TOP_P = 1e-3
 THRESHOLDS = 16
 PASSES = 8  # 16 ** 8 = 2 ** 32 keys
-# Elements per program and per inner step, from `benchmarks/top_p.py --sweep` on an H100 (64 and 448 rows of 49K and
-# 152K; results/top_p.jsonl): 164 us for 64 x 49K and 1.03 ms for 448 x 49K, against 455 us and 2.77 ms for the
-# warper's sort. The CPU interpreter's are small so that tests cross chunk boundaries.
+# Elements per program and per inner step on the GPU; the CPU interpreter's are small so that tests cross chunk and
+# block boundaries.
 TUNING = {"chunk": 4096, "block": 256, "num_warps": 4}
-_CPU_TUNING = {"chunk": 256, "block": 128, "num_warps": 4}
+_CPU_TUNING = {"chunk": 256, "block": 64, "num_warps": 4}
 
 
 @triton.jit
@@ -49,6 +50,12 @@ def _ordered_key(x):
     # + 0.0 turns -0.0 into +0.0: the sort ranks them as equal (ties broken by index), so must the keys
     bits = (x + 0.0).to(tl.int32, bitcast=True)
     return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _score_of_key(key):
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -64,26 +71,38 @@ def _row_softmax(ChunkMax, ChunkSum, row, num_chunks, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _bracket(Bracket, Mass, row, num_rows, num_chunks, removed_mass, PASS, THRESHOLDS: tl.constexpr,
-             BLOCK_C: tl.constexpr):
-    """`[lo, hi]` before pass `PASS` (holding t_c), and that pass's thresholds. Pass p's bracket follows from pass
-    p - 1's bracket (stored) and masses (summed over the row's chunks here, in the same order by every program)."""
+def _floor_key(top, inv_total, vocab, removed_mass):
+    """The key of `t_lo`: every token at or below it lies below the cut (see the module docstring)."""
+    return _ordered_key(top + tl.log(removed_mass / (vocab * inv_total)) - 1.0)
+
+
+@triton.jit
+def _bracket(Below, Bracket, Base, Mass, row, num_rows, num_chunks, removed_mass, first_lo, first_hi, PASS,
+             THRESHOLDS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """`[lo, hi]` before pass `PASS` (it holds t_c), `base` = G(lo - 1), and the pass's thresholds. Pass 0 starts at
+    `[first_lo, first_hi]` with the mass below `t_lo`; pass p follows from pass p - 1's bracket and base (stored)
+    and its masses (summed over the row's chunks here, in the same order by every program)."""
     lane = tl.arange(0, THRESHOLDS).to(tl.int64)
-    lo = tl.full([], -2147483648, tl.int64)
-    hi = tl.full([], 2147483647, tl.int64)
-    if PASS > 0:
-        lo = tl.load(Bracket + ((PASS - 1) * num_rows + row) * 2)
-        hi = tl.load(Bracket + ((PASS - 1) * num_rows + row) * 2 + 1)
-        step = (hi - lo + THRESHOLDS) // THRESHOLDS
-        threshold = tl.minimum(lo + lane * step, hi)
-        c = tl.arange(0, BLOCK_C)
+    c = tl.arange(0, BLOCK_C)
+    if PASS == 0:
+        lo = first_lo
+        hi = first_hi
+        base = tl.sum(tl.load(Below + row * num_chunks + c, mask=c < num_chunks, other=0.0), axis=0)
+    else:
+        prev_lo = tl.load(Bracket + ((PASS - 1) * num_rows + row) * 2)
+        prev_hi = tl.load(Bracket + ((PASS - 1) * num_rows + row) * 2 + 1)
+        prev_base = tl.load(Base + (PASS - 1) * num_rows + row)
+        step = (prev_hi - prev_lo + THRESHOLDS) // THRESHOLDS
+        threshold = tl.minimum(prev_lo + lane * step, prev_hi)
         masses = tl.load(Mass + (((PASS - 1) * num_rows + row) * num_chunks + c[:, None]) * THRESHOLDS
                          + lane[None, :], mask=(c < num_chunks)[:, None], other=0.0)
-        over = tl.sum(masses, axis=0) > removed_mass
-        hi = tl.min(tl.where(over, threshold, hi), axis=0)
-        lo = tl.max(tl.where(over, lo, threshold + 1), axis=0)
+        below = prev_base + tl.sum(masses, axis=0)  # G at each threshold
+        over = below > removed_mass
+        hi = tl.min(tl.where(over, threshold, prev_hi), axis=0)
+        lo = tl.max(tl.where(over, prev_lo, threshold + 1), axis=0)
+        base = tl.max(tl.where(over, prev_base, below), axis=0)  # G is non-decreasing: G(lo - 1)
     step = (hi - lo + THRESHOLDS) // THRESHOLDS
-    return lo, hi, tl.minimum(lo + lane * step, hi)
+    return lo, hi, base, tl.minimum(lo + lane * step, hi)
 
 
 @triton.jit
@@ -108,64 +127,96 @@ def _chunk_stats(Scores, ChunkMax, ChunkSum, vocab, stride_s, num_chunks, CHUNK:
 
 
 @triton.jit
-def _threshold_pass(
-    Scores, ChunkMax, ChunkSum, Bracket, Mass, CutStats, vocab, stride_s, num_rows, num_chunks, removed_mass, PASS,
-    THRESHOLDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
-    FINAL: tl.constexpr,
-):
-    """Pass `PASS` < 8: this chunk's mass at the pass's 16 thresholds. `FINAL` (pass 8): the bracket is the cut;
-    this chunk's mass below it, the probability at it, and its count of tokens at it."""
+def _compact(Scores, ChunkMax, ChunkSum, List, Count, Below, vocab, stride_s, num_chunks, removed_mass,
+             CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This chunk's mass below `t_lo`, and its scores above it, in index order, into list 0."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     scores = Scores + row * stride_s
     top, inv_total = _row_softmax(ChunkMax, ChunkSum, row, num_chunks, BLOCK_C)
-    lo, hi, threshold = _bracket(Bracket, Mass, row, num_rows, num_chunks, removed_mass, PASS, THRESHOLDS, BLOCK_C)
+    floor = _floor_key(top, inv_total, vocab, removed_mass)
+    out = List + (row * num_chunks + chunk) * CHUNK
+    below = tl.zeros([BLOCK], tl.float32)
+    written = tl.zeros([], tl.int32)
+    for v0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+        i = v0 + tl.arange(0, BLOCK)
+        valid = i < vocab
+        x = tl.load(scores + i, mask=valid, other=float("-inf"))
+        key = _ordered_key(x)
+        below += tl.where(valid & (key < floor), tl.exp(x - top) * inv_total, 0.0)
+        keep = (valid & (key >= floor)).to(tl.int32)
+        tl.store(out + written + tl.cumsum(keep, axis=0) - keep, x, mask=keep == 1)
+        written += tl.sum(keep, axis=0)
+    tl.store(Count + row * num_chunks + chunk, written)
+    tl.store(Below + row * num_chunks + chunk, tl.sum(below, axis=0))
+
+
+@triton.jit
+def _threshold_pass(
+    ChunkMax, ChunkSum, List, Count, Below, Bracket, Base, Mass, Ties, vocab, num_rows, num_chunks, removed_mass,
+    PASS, THRESHOLDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+    FINAL: tl.constexpr,
+):
+    """Pass `PASS` < 8 reads list `PASS % 2`: the mass of its entries inside the bracket at the pass's 16 thresholds,
+    and those entries into the other list. `FINAL` (pass 8): the bracket is the cut; this chunk's count of entries
+    at it."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    top, inv_total = _row_softmax(ChunkMax, ChunkSum, row, num_chunks, BLOCK_C)
+    first_lo = _floor_key(top, inv_total, vocab, removed_mass).to(tl.int64)
+    first_hi = _ordered_key(top).to(tl.int64)
+    lo, hi, base, threshold = _bracket(Below, Bracket, Base, Mass, row, num_rows, num_chunks, removed_mass,
+                                       first_lo, first_hi, PASS, THRESHOLDS, BLOCK_C)
     if chunk == 0:  # every program of the row computed the same bracket; one stores it for the next pass
         tl.store(Bracket + (PASS * num_rows + row) * 2, lo)
         tl.store(Bracket + (PASS * num_rows + row) * 2 + 1, hi)
+        tl.store(Base + PASS * num_rows + row, base)
+    slot = row * num_chunks + chunk
+    source = (PASS % 2) * num_rows * num_chunks + slot
+    entries = List + source * CHUNK
+    count = tl.load(Count + source)
     if FINAL:
-        cut = hi.to(tl.int32)
-        below = tl.zeros([BLOCK], tl.float32)
-        p_cut = tl.zeros([BLOCK], tl.float32)
         ties = tl.zeros([BLOCK], tl.int32)
-        for v0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+        for v0 in range(0, count, BLOCK):
             i = v0 + tl.arange(0, BLOCK)
-            x = tl.load(scores + i, mask=i < vocab, other=float("-inf"))
-            p = tl.exp(x - top) * inv_total
-            key = _ordered_key(x)
-            below += tl.where(key < cut, p, 0.0)
-            p_cut = tl.maximum(p_cut, tl.where(key == cut, p, 0.0))
-            ties += ((i < vocab) & (key == cut)).to(tl.int32)
-        base = CutStats + (row * num_chunks + chunk) * 3
-        tl.store(base, tl.sum(below, axis=0))
-        tl.store(base + 1, tl.max(p_cut, axis=0))
-        tl.store(base + 2, tl.sum(ties, axis=0).to(tl.float32))
+            key = _ordered_key(tl.load(entries + i, mask=i < count, other=float("-inf")))
+            ties += ((i < count) & (key == hi)).to(tl.int32)
+        tl.store(Ties + slot, tl.sum(ties, axis=0))
     else:
+        target = ((PASS + 1) % 2) * num_rows * num_chunks + slot
+        out = List + target * CHUNK
         threshold32 = threshold.to(tl.int32)
         mass = tl.zeros([BLOCK, THRESHOLDS], tl.float32)
-        for v0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+        written = tl.zeros([], tl.int32)
+        for v0 in range(0, count, BLOCK):
             i = v0 + tl.arange(0, BLOCK)
-            x = tl.load(scores + i, mask=i < vocab, other=float("-inf"))
-            p = tl.exp(x - top) * inv_total
-            mass += tl.where(_ordered_key(x)[:, None] <= threshold32[None, :], p[:, None], 0.0)
+            x = tl.load(entries + i, mask=i < count, other=float("-inf"))
+            key = _ordered_key(x)
+            inside = (i < count) & (key >= lo) & (key <= hi)
+            p = tl.where(inside, tl.exp(x - top) * inv_total, 0.0)
+            mass += tl.where(key[:, None] <= threshold32[None, :], p[:, None], 0.0)
+            keep = inside.to(tl.int32)
+            tl.store(out + written + tl.cumsum(keep, axis=0) - keep, x, mask=inside)
+            written += tl.sum(keep, axis=0)
         lane = tl.arange(0, THRESHOLDS)
         tl.store(Mass + ((PASS * num_rows + row) * num_chunks + chunk) * THRESHOLDS + lane, tl.sum(mass, axis=0))
+        tl.store(Count + target, written)
 
 
 @triton.jit
 def _write_filtered(
-    Scores, Out, Bracket, CutStats, vocab, stride_s, stride_o, num_rows, num_chunks, removed_mass, filter_value,
-    PASSES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+    Scores, Out, ChunkMax, ChunkSum, Bracket, Base, Ties, vocab, stride_s, stride_o, num_rows, num_chunks,
+    removed_mass, filter_value, PASSES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
+    top, inv_total = _row_softmax(ChunkMax, ChunkSum, row, num_chunks, BLOCK_C)
     cut = tl.load(Bracket + (PASSES * num_rows + row) * 2 + 1).to(tl.int32)
+    below = tl.load(Base + PASSES * num_rows + row)  # G(cut - 1): the mass strictly below the cut
+    p_cut = tl.exp(_score_of_key(cut) - top) * inv_total
     c = tl.arange(0, BLOCK_C)
-    ok = c < num_chunks
-    stats = CutStats + (row * num_chunks + c) * 3
-    below = tl.sum(tl.load(stats, mask=ok, other=0.0), axis=0)
-    p_cut = tl.max(tl.load(stats + 1, mask=ok, other=0.0), axis=0)
-    ties_before = tl.sum(tl.load(stats + 2, mask=c < chunk, other=0.0), axis=0).to(tl.int32)
+    ties_before = tl.sum(tl.load(Ties + row * num_chunks + c, mask=c < chunk, other=0), axis=0)
     ties_removed = tl.maximum(tl.floor((removed_mass - below) / p_cut), 0.0).to(tl.int32)
     scores = Scores + row * stride_s
     out = Out + row * stride_o
@@ -195,24 +246,31 @@ def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float
     chunk, block = tuning["chunk"], tuning["block"]
     num_chunks = triton.cdiv(vocab, chunk)
     block_c = triton.next_power_of_2(num_chunks)
-    f32 = dict(dtype=torch.float32, device=scores.device)
+    device = scores.device
+    f32 = dict(dtype=torch.float32, device=device)
     chunk_max, chunk_sum = _launch.empty(rows, num_chunks, **f32), _launch.empty(rows, num_chunks, **f32)
-    bracket = _launch.empty(PASSES + 1, rows, 2, dtype=torch.int64, device=scores.device)
+    lists = _launch.empty(2, rows, num_chunks, chunk, **f32)  # two lists: a pass reads one and writes the other
+    count = _launch.empty(2, rows, num_chunks, dtype=torch.int32, device=device)
+    below = _launch.empty(rows, num_chunks, **f32)
+    bracket = _launch.empty(PASSES + 1, rows, 2, dtype=torch.int64, device=device)
+    base = _launch.empty(PASSES + 1, rows, **f32)
     mass = _launch.empty(PASSES, rows, num_chunks, THRESHOLDS, **f32)
-    cut_stats = _launch.empty(rows, num_chunks, 3, **f32)
+    ties = _launch.empty(rows, num_chunks, dtype=torch.int32, device=device)
     out = _launch.empty(rows, vocab, **f32)
     # The warper compares the fp32 cumulative sums with 1 - top_p rounded to fp32: so does the kernel.
     removed_mass = float(torch.tensor(1.0 - top_p, dtype=torch.float32))
     grid = (rows, num_chunks)
     common = dict(CHUNK=chunk, BLOCK=block, num_warps=tuning["num_warps"])
     _chunk_stats[grid](scores, chunk_max, chunk_sum, vocab, scores.stride(0), num_chunks, **common)
+    _compact[grid](scores, chunk_max, chunk_sum, lists, count, below, vocab, scores.stride(0), num_chunks,
+                   removed_mass, BLOCK_C=block_c, **common)
     for step in range(PASSES + 1):
         _threshold_pass[grid](
-            scores, chunk_max, chunk_sum, bracket, mass, cut_stats, vocab, scores.stride(0), rows, num_chunks,
+            chunk_max, chunk_sum, lists, count, below, bracket, base, mass, ties, vocab, rows, num_chunks,
             removed_mass, step, THRESHOLDS=THRESHOLDS, BLOCK_C=block_c, FINAL=step == PASSES, **common,
         )
     _write_filtered[grid](
-        scores, out, bracket, cut_stats, vocab, scores.stride(0), out.stride(0), rows, num_chunks, removed_mass,
-        float(filter_value), PASSES=PASSES, BLOCK_C=block_c, **common,
+        scores, out, chunk_max, chunk_sum, bracket, base, ties, vocab, scores.stride(0), out.stride(0), rows,
+        num_chunks, removed_mass, float(filter_value), PASSES=PASSES, BLOCK_C=block_c, **common,
     )
     return out
