@@ -17,7 +17,7 @@ import torch
 from ._compat import internals as compat
 from .cache import VegasCache
 from .graphs import StepGraphs
-from .sampling import LogitsPipeline, choose
+from .sampling import LogitsPipeline, choose_draft
 
 
 class StepRunner:
@@ -147,7 +147,7 @@ class StepRunner:
         for _ in range(self.gamma):
             logits = self.call_model(ids, logits_to_keep=1)[:, -1]
             step_scores = self.pipeline.history_free(logits, keep_dtype=not keep_scores)
-            token = choose(step_scores, self.do_sample)
+            token = choose_draft(step_scores, self.do_sample)
             drafts.append(token)
             scores.append(step_scores)
             ids = token[:, None]
@@ -161,7 +161,7 @@ class StepRunner:
         for i in range(self.gamma):  # `draft` declared the mode
             logits = self._replayed(ids, 1)[:, -1]
             step_scores = self.pipeline(tokens, [h + i for h in history], logits)
-            token = choose(step_scores, self.do_sample)
+            token = choose_draft(step_scores, self.do_sample)
             tokens[rows, start + i] = token
             drafts.append(token)
             scores.append(step_scores)

@@ -130,6 +130,23 @@ def choose(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     return scores.argmax(dim=-1)
 
 
+def choose_draft(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """A draft token per row: `choose`'s token, from the same draws, without `torch.multinomial`'s checks.
+
+    One sample of `multinomial` is the exponential race `argmax(probs / E)`, `E ~ Exp(1)` drawn by `exponential_`
+    on a tensor of the probabilities' shape; this is that race alone. The checks it skips (no inf, nan or negative
+    probability, no all-zero row) are four reductions and two asserts over the whole `(B, V)` tensor, a sixth of a
+    draft step's sampling on an H100 (`benchmarks/profile_forward.py --sample`). They are not lost: the
+    verification's scores come from the same model, and the acceptance's own `multinomial` checks them every
+    iteration.
+    """
+    if not do_sample:
+        return scores.argmax(dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    race = torch.empty_like(probs).exponential_(1)
+    return (probs / race).argmax(dim=-1)
+
+
 def leading_true(mask: torch.Tensor) -> torch.Tensor:
     """Length of the all-True prefix of each row of a `(B, G)` bool mask."""
     return mask.long().cumprod(dim=-1).sum(dim=-1)

@@ -87,3 +87,22 @@ def test_sampling_with_windowed_sparse_layers_matches_vanilla_distribution():
     assert getattr(out, CACHE_KEYWORD).selection.windows == {0: 24, 1: 24}, "both layers draft inside the window"
     assert (out.accepted < DRAFT["vegas_gamma"]).any(), "some drafts must be rejected to exercise resampling"
     assert p_value > 1e-3
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_draft_sampler_draws_the_tokens_of_multinomial(device):
+    """`choose_draft` is `torch.multinomial`'s one-sample race without its checks: the same seed gives the same
+    tokens and leaves the generator where multinomial leaves it (so the next draws agree too)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; the CPU case checks the same race")
+    gen = torch.Generator().manual_seed(0)
+    scores = (torch.randn(33, 5003, generator=gen) * 4).to(device)
+    scores[:, ::3] = float("-inf")  # filtered tokens (top-k, top-p) have probability 0 and are never drawn
+    for seed in range(10):
+        torch.manual_seed(seed)
+        expected = sampling.choose(scores, do_sample=True), torch.rand(4, device=device)
+        torch.manual_seed(seed)
+        got = sampling.choose_draft(scores, do_sample=True), torch.rand(4, device=device)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        assert bool((got[0] % 3 != 0).all()), "a filtered token was drawn"
+    assert torch.equal(sampling.choose_draft(scores, do_sample=False), scores.argmax(dim=-1))
