@@ -9,25 +9,20 @@ probability is at most `1 - top_p` (ties in ascending index order, as a stable s
 
 and keeps the rest (at least one token: the highest-index one scored `t_c`). `t_c` is pinned by a threshold search
 over order-preserving int32 keys of the scores: each pass measures `G` at 16 thresholds and keeps the bracket that
-holds `t_c`, so 8 passes pin all 32 bits.
+holds `t_c`, so 8 passes pin all 32 bits. Every launch runs (row, chunk) programs, so a row is spread over the whole
+GPU; a pass's programs each rebuild their row's bracket from the previous pass's per-chunk masses, in the same order,
+so all of them agree, and no launch waits on the host.
 
 Only a few tokens of a row can hold the cut. Each token scored at most `t_lo = max + ln((1 - top_p) * Z / V) - 1`
 (`Z` the softmax sum over `exp(x - max)`, `V` the vocabulary) has a probability below `(1 - top_p) / (e V)`, so all
-of them together stay below `1 - top_p`: `t_c > t_lo`. So, in four launches and no host synchronisation:
-
-1. (row, chunk) programs: each chunk's maximum and softmax sum;
-2. (row, chunk) programs: each chunk's mass below `t_lo`, and its scores above it, in index order, into a list;
-3. one program per row: the 8 passes over the row's lists (every chunk's list side by side), each keeping the
-   entries inside its bracket for the next, then each chunk's count of entries at the cut;
-4. (row, chunk) programs: the filtered copy.
-
-Launches 1, 2 and 4 read the whole row spread over the GPU; the search reads lists of a few entries when the
-distribution is peaked (a trained model's), and at most the row when it is flat (a random model's). Until e0b2096
-each pass was a launch of (row, chunk) programs comparing every score with its 16 thresholds (11 launches), and at
-9612478 each pass was a launch over the lists (12 launches). On an H100 (`benchmarks/top_p.py`,
-results/top_p.jsonl) rows shaped like a trained model's (`--logits peaked`) took 80 us for 64 x 49K and 356 us for
-448 x 49K at 9612478 (168 and 1,023 at e0b2096, same call, from a one-off A/B script), flat rows 88 and 413 (164 and
-1,021), the warper's sort 458 and 2,756.
+of them together stay below `1 - top_p`: `t_c > t_lo`. One launch therefore sums the mass below `t_lo` and compacts
+the scores above it into a per-chunk list (in index order), and the threshold passes read only their lists, each
+keeping for the next the entries still inside its bracket. Three launches read the whole row (softmax statistics,
+compaction, the filtered copy); the other nine read lists of a few entries when the distribution is peaked, and
+never more than the row (flat rows, e.g. a random model's, keep most of it). Until e0b2096 each of the 8 passes
+compared every score with its 16 thresholds. On an H100 (`benchmarks/top_p.py`, results/top_p.jsonl) rows shaped like
+a trained model's (`--logits peaked`) take 80 us for 64 x 49K and 356 us for 448 x 49K (168 and 1,023 before, same
+call, from a one-off A/B script), flat rows 88 and 413 (164 and 1,021), the warper's sort 458 and 2,756.
 
 The cumulative sums are fp32 sums in another order than the sort's scan, so a token whose cumulative probability
 lies within rounding of `1 - top_p` may fall on the other side (as it may between two GPUs running the warper).
@@ -48,8 +43,8 @@ THRESHOLDS = 16
 PASSES = 8  # 16 ** 8 = 2 ** 32 keys
 # Elements per program and per inner step on the GPU; the CPU interpreter's are small so that tests cross chunk and
 # block boundaries.
-TUNING = {"chunk": 4096, "block": 256, "num_warps": 4, "search_tile": 512, "search_warps": 4}
-_CPU_TUNING = {"chunk": 256, "block": 64, "num_warps": 4, "search_tile": 16, "search_warps": 4}
+TUNING = {"chunk": 4096, "block": 256, "num_warps": 4}
+_CPU_TUNING = {"chunk": 256, "block": 64, "num_warps": 4}
 
 
 @triton.jit
@@ -81,6 +76,35 @@ def _row_softmax(ChunkMax, ChunkSum, row, num_chunks, BLOCK_C: tl.constexpr):
 def _floor_key(top, inv_total, vocab, removed_mass):
     """The key of `t_lo`: every token at or below it lies below the cut (see the module docstring)."""
     return _ordered_key(top + tl.log(removed_mass / (vocab * inv_total)) - 1.0)
+
+
+@triton.jit
+def _bracket(Below, Bracket, Base, Mass, row, num_rows, num_chunks, removed_mass, first_lo, first_hi, PASS,
+             THRESHOLDS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """`[lo, hi]` before pass `PASS` (it holds t_c), `base` = G(lo - 1), and the pass's thresholds. Pass 0 starts at
+    `[first_lo, first_hi]` with the mass below `t_lo`; pass p follows from pass p - 1's bracket and base (stored)
+    and its masses (summed over the row's chunks here, in the same order by every program)."""
+    lane = tl.arange(0, THRESHOLDS).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    if PASS == 0:
+        lo = first_lo
+        hi = first_hi
+        base = tl.sum(tl.load(Below + row * num_chunks + c, mask=c < num_chunks, other=0.0), axis=0)
+    else:
+        prev_lo = tl.load(Bracket + ((PASS - 1) * num_rows + row) * 2)
+        prev_hi = tl.load(Bracket + ((PASS - 1) * num_rows + row) * 2 + 1)
+        prev_base = tl.load(Base + (PASS - 1) * num_rows + row)
+        step = (prev_hi - prev_lo + THRESHOLDS) // THRESHOLDS
+        threshold = tl.minimum(prev_lo + lane * step, prev_hi)
+        masses = tl.load(Mass + (((PASS - 1) * num_rows + row) * num_chunks + c[:, None]) * THRESHOLDS
+                         + lane[None, :], mask=(c < num_chunks)[:, None], other=0.0)
+        below = prev_base + tl.sum(masses, axis=0)  # G at each threshold
+        over = below > removed_mass
+        hi = tl.min(tl.where(over, threshold, prev_hi), axis=0)
+        lo = tl.max(tl.where(over, prev_lo, threshold + 1), axis=0)
+        base = tl.max(tl.where(over, prev_base, below), axis=0)  # G is non-decreasing: G(lo - 1)
+    step = (hi - lo + THRESHOLDS) // THRESHOLDS
+    return lo, hi, base, tl.minimum(lo + lane * step, hi)
 
 
 @triton.jit
@@ -130,75 +154,68 @@ def _compact(Scores, ChunkMax, ChunkSum, List, Count, Below, vocab, stride_s, nu
 
 
 @triton.jit
-def _search(
-    ChunkMax, ChunkSum, List, Count, Below, Cut, Base, Ties, vocab, num_rows, num_chunks, removed_mass,
-    THRESHOLDS: tl.constexpr, PASSES: tl.constexpr, CHUNK: tl.constexpr, ENTRIES: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+def _threshold_pass(
+    ChunkMax, ChunkSum, List, Count, Below, Bracket, Base, Mass, Ties, vocab, num_rows, num_chunks, removed_mass,
+    PASS, THRESHOLDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+    FINAL: tl.constexpr,
 ):
-    """One program per row: the 8 threshold passes over the row's lists (all its chunks' lists side by side, ENTRIES
-    of each per step), each keeping the entries inside its bracket for the next, then the count of entries at the
-    cut in each chunk. Stores the cut, G(cut - 1) and the per-chunk tie counts."""
+    """Pass `PASS` < 8 reads list `PASS % 2`: the mass of its entries inside the bracket at the pass's 16 thresholds,
+    and those entries into the other list. `FINAL` (pass 8): the bracket is the cut; this chunk's count of entries
+    at it."""
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     top, inv_total = _row_softmax(ChunkMax, ChunkSum, row, num_chunks, BLOCK_C)
-    c = tl.arange(0, BLOCK_C)
-    chunk_ok = c < num_chunks
-    lane = tl.arange(0, THRESHOLDS).to(tl.int64)
-    e = tl.arange(0, ENTRIES)
-    # Smallest key t with G(t) > removed_mass: in [lo, hi], and base = G(lo - 1).
-    lo = _floor_key(top, inv_total, vocab, removed_mass).to(tl.int64)
-    hi = _ordered_key(top).to(tl.int64)
-    base = tl.sum(tl.load(Below + row * num_chunks + c, mask=chunk_ok, other=0.0), axis=0)
-    counts = tl.load(Count + row * num_chunks + c, mask=chunk_ok, other=0)
-    lists = List + (row * num_chunks + c[:, None]) * CHUNK  # list 0 of each chunk; list 1 lies num_rows rows on
-    other = num_rows * num_chunks * CHUNK
-    for step in range(PASSES):
-        source = lists + (step % 2) * other
-        target = lists + ((step + 1) % 2) * other
-        stride = (hi - lo + THRESHOLDS) // THRESHOLDS
-        threshold = tl.minimum(lo + lane * stride, hi)
+    first_lo = _floor_key(top, inv_total, vocab, removed_mass).to(tl.int64)
+    first_hi = _ordered_key(top).to(tl.int64)
+    lo, hi, base, threshold = _bracket(Below, Bracket, Base, Mass, row, num_rows, num_chunks, removed_mass,
+                                       first_lo, first_hi, PASS, THRESHOLDS, BLOCK_C)
+    if chunk == 0:  # every program of the row computed the same bracket; one stores it for the next pass
+        tl.store(Bracket + (PASS * num_rows + row) * 2, lo)
+        tl.store(Bracket + (PASS * num_rows + row) * 2 + 1, hi)
+        tl.store(Base + PASS * num_rows + row, base)
+    slot = row * num_chunks + chunk
+    source = (PASS % 2) * num_rows * num_chunks + slot
+    entries = List + source * CHUNK
+    count = tl.load(Count + source)
+    if FINAL:
+        ties = tl.zeros([BLOCK], tl.int32)
+        for v0 in range(0, count, BLOCK):
+            i = v0 + tl.arange(0, BLOCK)
+            key = _ordered_key(tl.load(entries + i, mask=i < count, other=float("-inf")))
+            ties += ((i < count) & (key == hi)).to(tl.int32)
+        tl.store(Ties + slot, tl.sum(ties, axis=0))
+    else:
+        target = ((PASS + 1) % 2) * num_rows * num_chunks + slot
+        out = List + target * CHUNK
         threshold32 = threshold.to(tl.int32)
-        mass = tl.zeros([BLOCK_C, THRESHOLDS], tl.float32)
-        written = tl.zeros([BLOCK_C], tl.int32)
-        for e0 in range(0, tl.max(counts, axis=0), ENTRIES):
-            valid = (e0 + e)[None, :] < counts[:, None]
-            x = tl.load(source + e0 + e[None, :], mask=valid, other=float("-inf"))
+        mass = tl.zeros([BLOCK, THRESHOLDS], tl.float32)
+        written = tl.zeros([], tl.int32)
+        for v0 in range(0, count, BLOCK):
+            i = v0 + tl.arange(0, BLOCK)
+            x = tl.load(entries + i, mask=i < count, other=float("-inf"))
             key = _ordered_key(x)
-            inside = valid & (key >= lo) & (key <= hi)
+            inside = (i < count) & (key >= lo) & (key <= hi)
             p = tl.where(inside, tl.exp(x - top) * inv_total, 0.0)
-            mass += tl.sum(tl.where(key[:, :, None] <= threshold32[None, None, :], p[:, :, None], 0.0), axis=1)
+            mass += tl.where(key[:, None] <= threshold32[None, :], p[:, None], 0.0)
             keep = inside.to(tl.int32)
-            tl.store(target + written[:, None] + tl.cumsum(keep, axis=1) - keep, x, mask=inside)
-            written += tl.sum(keep, axis=1)
-        counts = written
-        tl.debug_barrier()  # the next pass reads what every thread of this program wrote
-        below = base + tl.sum(mass, axis=0)  # G at each threshold
-        over = below > removed_mass
-        new_hi = tl.min(tl.where(over, threshold, hi), axis=0)
-        new_lo = tl.max(tl.where(over, lo, threshold + 1), axis=0)
-        base = tl.max(tl.where(over, base, below), axis=0)  # G is non-decreasing: G(new_lo - 1)
-        lo, hi = new_lo, new_hi
-    # 16 ** 8 keys: the bracket is one key, the cut. Its ties sit in the last pass's lists (list PASSES % 2).
-    source = lists + (PASSES % 2) * other
-    ties = tl.zeros([BLOCK_C], tl.int32)
-    for e0 in range(0, tl.max(counts, axis=0), ENTRIES):
-        valid = (e0 + e)[None, :] < counts[:, None]
-        key = _ordered_key(tl.load(source + e0 + e[None, :], mask=valid, other=float("-inf")))
-        ties += tl.sum((valid & (key == hi)).to(tl.int32), axis=1)
-    tl.store(Ties + row * num_chunks + c, ties, mask=chunk_ok)
-    tl.store(Cut + row, hi.to(tl.int32))
-    tl.store(Base + row, base)
+            tl.store(out + written + tl.cumsum(keep, axis=0) - keep, x, mask=inside)
+            written += tl.sum(keep, axis=0)
+        lane = tl.arange(0, THRESHOLDS)
+        tl.store(Mass + ((PASS * num_rows + row) * num_chunks + chunk) * THRESHOLDS + lane, tl.sum(mass, axis=0))
+        tl.store(Count + target, written)
 
 
 @triton.jit
 def _write_filtered(
-    Scores, Out, ChunkMax, ChunkSum, Cut, Base, Ties, vocab, stride_s, stride_o, num_chunks, removed_mass,
-    filter_value, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+    Scores, Out, ChunkMax, ChunkSum, Bracket, Base, Ties, vocab, stride_s, stride_o, num_rows, num_chunks,
+    removed_mass, filter_value, PASSES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     top, inv_total = _row_softmax(ChunkMax, ChunkSum, row, num_chunks, BLOCK_C)
-    cut = tl.load(Cut + row)
-    below = tl.load(Base + row)  # G(cut - 1): the mass strictly below the cut
+    cut = tl.load(Bracket + (PASSES * num_rows + row) * 2 + 1).to(tl.int32)
+    below = tl.load(Base + PASSES * num_rows + row)  # G(cut - 1): the mass strictly below the cut
     p_cut = tl.exp(_score_of_key(cut) - top) * inv_total
     c = tl.arange(0, BLOCK_C)
     ties_before = tl.sum(tl.load(Ties + row * num_chunks + c, mask=c < chunk, other=0), axis=0)
@@ -235,10 +252,11 @@ def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float
     f32 = dict(dtype=torch.float32, device=device)
     chunk_max, chunk_sum = _launch.empty(rows, num_chunks, **f32), _launch.empty(rows, num_chunks, **f32)
     lists = _launch.empty(2, rows, num_chunks, chunk, **f32)  # two lists: a pass reads one and writes the other
-    count = _launch.empty(rows, num_chunks, dtype=torch.int32, device=device)
+    count = _launch.empty(2, rows, num_chunks, dtype=torch.int32, device=device)
     below = _launch.empty(rows, num_chunks, **f32)
-    cut = _launch.empty(rows, dtype=torch.int32, device=device)
-    base = _launch.empty(rows, **f32)
+    bracket = _launch.empty(PASSES + 1, rows, 2, dtype=torch.int64, device=device)
+    base = _launch.empty(PASSES + 1, rows, **f32)
+    mass = _launch.empty(PASSES, rows, num_chunks, THRESHOLDS, **f32)
     ties = _launch.empty(rows, num_chunks, dtype=torch.int32, device=device)
     out = _launch.empty(rows, vocab, **f32)
     # The warper compares the fp32 cumulative sums with 1 - top_p rounded to fp32: so does the kernel.
@@ -248,15 +266,13 @@ def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float
     _chunk_stats[grid](scores, chunk_max, chunk_sum, vocab, scores.stride(0), num_chunks, **common)
     _compact[grid](scores, chunk_max, chunk_sum, lists, count, below, vocab, scores.stride(0), num_chunks,
                    removed_mass, BLOCK_C=block_c, **common)
-    # A step of the search takes ENTRIES entries of every chunk's list at once: about `search_tile` in all.
-    entries = max(1, tuning["search_tile"] // block_c)
-    _search[(rows,)](
-        chunk_max, chunk_sum, lists, count, below, cut, base, ties, vocab, rows, num_chunks, removed_mass,
-        THRESHOLDS=THRESHOLDS, PASSES=PASSES, CHUNK=chunk, ENTRIES=entries, BLOCK_C=block_c,
-        num_warps=tuning["search_warps"],
-    )
+    for step in range(PASSES + 1):
+        _threshold_pass[grid](
+            chunk_max, chunk_sum, lists, count, below, bracket, base, mass, ties, vocab, rows, num_chunks,
+            removed_mass, step, THRESHOLDS=THRESHOLDS, BLOCK_C=block_c, FINAL=step == PASSES, **common,
+        )
     _write_filtered[grid](
-        scores, out, chunk_max, chunk_sum, cut, base, ties, vocab, scores.stride(0), out.stride(0), num_chunks,
-        removed_mass, float(filter_value), BLOCK_C=block_c, **common,
+        scores, out, chunk_max, chunk_sum, bracket, base, ties, vocab, scores.stride(0), out.stride(0), rows,
+        num_chunks, removed_mass, float(filter_value), PASSES=PASSES, BLOCK_C=block_c, **common,
     )
     return out
