@@ -24,6 +24,12 @@ compared every score with its 16 thresholds. On an H100 (`benchmarks/top_p.py`, 
 a trained model's (`--logits peaked`) take 80 us for 64 x 49K and 356 us for 448 x 49K (168 and 1,023 before, same
 call, from a one-off A/B script), flat rows 88 and 413 (164 and 1,021), the warper's sort 458 and 2,756.
 
+Tried and dropped (4456d09): the eight passes and the tie count as one program per row over all its chunks' lists
+(four launches in all, the bracket in registers). Rows of a trained model's shape gained (64 x 49K 80 -> 59 us,
+448 x 49K 359 -> 263, 64 x 152K 200 -> 176), but flat rows, whose lists hold most of the row, lost badly on a large
+vocabulary (64 x 152K 228 -> 860 us, 448 x 152K 1,287 -> 2,726): one program reads its whole row, latency-bound.
+Same H100 call, one-off A/B script; larger tiles narrowed but did not close the gap (64 x 152K flat: 522 us).
+
 The cumulative sums are fp32 sums in another order than the sort's scan, so a token whose cumulative probability
 lies within rounding of `1 - top_p` may fall on the other side (as it may between two GPUs running the warper).
 """
