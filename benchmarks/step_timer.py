@@ -6,6 +6,9 @@ The library has no timing code; this module wraps the loop's private steps for t
                  -> verify (one graph replay: full attention, score emission, selection)
                  -> accept (acceptance, cache rollback, commit, and the one host synchronisation)
 
+When the loop queues the next iteration's draft before its synchronisation returns (`_Loop._draft_ahead`), that
+draft is timed as the next iteration's, and this iteration's accept interval ends where it starts.
+
 `draft`, `verify` and `accept` are GPU-timeline intervals between CUDA events: any time the GPU waits for Python to
 launch the next kernel inside an interval counts in that interval. `host` is the rest of the iteration's wall time:
 the Python work before the iteration's first launch and after its synchronisation returns.
@@ -56,16 +59,23 @@ class IterationTimes:
                 events[-1][name] = event
 
         def iterate(loop, active):
+            ahead = events[-1] if events and "ahead_drafted" in events[-1] else None
             events.append({"wall_start": time.perf_counter()})
-            mark("start")
+            if ahead is None:
+                mark("start")
+            else:  # this iteration's draft was queued during the previous one (`_Loop._draft_ahead`)
+                events[-1]["start"], events[-1]["drafted"] = ahead["ahead_start"], ahead["ahead_drafted"]
             n = original_iterate(loop, active)  # ends with the iteration's host synchronisation
             events[-1]["wall_end"] = time.perf_counter()
             mark("end")
             return n
 
         def draft(runner, *args, **kwargs):
+            ahead = bool(events) and "verified" in events[-1]  # the next iteration's draft, queued early
+            if ahead:
+                mark("ahead_start")
             out = original_draft(runner, *args, **kwargs)
-            mark("drafted")
+            mark("ahead_drafted" if ahead else "drafted")
             return out
 
         def verified(original):
@@ -101,7 +111,7 @@ def _split(e: dict) -> dict:
     split = dict(
         wall_start=e["wall_start"], wall_end=e["wall_end"], wall=(e["wall_end"] - e["wall_start"]) * 1e3,
         draft=e["start"].elapsed_time(drafted), verify=drafted.elapsed_time(e["verified"]),
-        accept=e["verified"].elapsed_time(e["end"]),
+        accept=e["verified"].elapsed_time(e.get("ahead_start", e["end"])),
     )
     split["host"] = max(split["wall"] - split["draft"] - split["verify"] - split["accept"], 0.0)
     return split
