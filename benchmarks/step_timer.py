@@ -7,7 +7,8 @@ The library has no timing code; this module wraps the loop's private steps for t
                  -> accept (acceptance, cache rollback, commit, and the one host synchronisation)
 
 When the loop queues the next iteration's draft before its synchronisation returns (`_Loop._draft_ahead`), that
-draft is timed as the next iteration's, and this iteration's accept interval ends where it starts.
+draft is timed as the next iteration's, and this iteration's accept interval ends where it starts. Its GPU time then
+falls mostly within the previous iteration's wall time, so `host` (clamped at 0) is no longer all the rest of it.
 
 `draft`, `verify` and `accept` are GPU-timeline intervals between CUDA events: any time the GPU waits for Python to
 launch the next kernel inside an interval counts in that interval. `host` is the rest of the iteration's wall time:
@@ -59,8 +60,10 @@ class IterationTimes:
                 events[-1][name] = event
 
         def iterate(loop, active):
-            ahead = events[-1] if events and "ahead_drafted" in events[-1] else None
-            events.append({"wall_start": time.perf_counter()})
+            # (a draft queued at the end of another generation was wasted: it is nobody's)
+            same = bool(events) and events[-1]["loop"] is loop
+            ahead = events[-1] if same and "ahead_drafted" in events[-1] else None
+            events.append({"wall_start": time.perf_counter(), "loop": loop})
             if ahead is None:
                 mark("start")
             else:  # this iteration's draft was queued during the previous one (`_Loop._draft_ahead`)

@@ -173,6 +173,18 @@ def _finish(sequences, output, generation_config, streamer):
     return sequences
 
 
+def _rng_state(device: torch.device) -> torch.Tensor:
+    """The default generator's state on `device` (host side: no synchronisation)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
 class _Loop:
     """Per-row state of one Vegas generation and the steps that advance it."""
 
@@ -213,6 +225,7 @@ class _Loop:
         self.first_stop: list[int | None] = [None] * batch
         self.target_len: int | None = None  # set when every row has stopped but finished rows are not padded
         self.ahead = None  # the next iteration's (drafts, draft scores) when queued early (`_draft_ahead`)
+        self.rng_before_ahead = None  # the generator's state before that draft's draws (sampling)
         self._pinned: torch.Tensor | None = None  # host buffer of the kept counts and stops (CUDA)
 
     def run(self, inputs_embeds=None, prefix=None):
@@ -249,6 +262,10 @@ class _Loop:
             accepted.append(torch.where(active, self._iterate(active), -1))
             self.auto.observe(self._observed(active_host), timed=self._preparations() == prepared,
                               remaining=self._remaining(self._active()))
+        if self.ahead is not None and self.rng_before_ahead is not None:
+            # A draft queued for a batch that then stopped is wasted; its draws must not move the generator, or the
+            # user's next call would sample other tokens than without it.
+            _set_rng_state(first.device, self.rng_before_ahead)
         stats = torch.stack(accepted, dim=1) if accepted else first.new_zeros(first.shape[0], 0)
         return self._sequences(self.input_ids.shape[1]), stats
 
@@ -342,7 +359,8 @@ class _Loop:
         streamer waits for the tokens, and the batch surely goes on: a row gains at most gamma + 1 tokens per
         iteration, so one far enough from its length limit (the host counts are one iteration old) still decodes,
         unless EOS or another stopping criterion ends it; then two such rows are asked for, since a draft queued for
-        a batch that has stopped is wasted."""
+        a batch that has stopped is wasted (GPU time only: `run` puts the generator back where it was before it).
+        On the CPU it gains nothing but runs the same, so the CPU tests cover it."""
         graphs, key = self.runner.graphs, self.pipeline.capture_key
         from_device = (graphs is not None and key is not None) or (graphs is None and self.pipeline.batched)
         if self.auto is not None or self.streamer is not None or not from_device:
@@ -357,6 +375,7 @@ class _Loop:
         caught up, on the rows it then finds active; the draft only proposes tokens, so what it assumed about the
         rows can never change the output."""
         self.cache.plan.row_active.copy_(self._active_on_device())
+        self.rng_before_ahead = _rng_state(self.pending.device) if self.do_sample else None
         return self._draft()
 
     def _to_host(self, keep: torch.Tensor, stopped: torch.Tensor):

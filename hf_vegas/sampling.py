@@ -137,9 +137,11 @@ def choose_draft(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     One sample of `multinomial` is the exponential race `argmax(probs / E)`, `E ~ Exp(1)` drawn by `exponential_`
     on a tensor of the probabilities' shape; this is that race alone. The checks it skips (no inf, nan or negative
     probability, no all-zero row) are four reductions and two asserts over the whole `(B, V)` tensor, a sixth of a
-    draft step's sampling on an H100 (`benchmarks/profile_forward.py --sample`). They are not lost: the
-    verification's scores come from the same model, and the acceptance's own `multinomial` checks them every
-    iteration.
+    draft step's sampling on an H100 (`benchmarks/profile_forward.py --sample`). A row of NaN draft scores then
+    drafts token 0 instead of raising; its acceptance test (`u * q <= p`) fails on the NaN, so the token is
+    rejected and the target resamples: the output stays vanilla's, only acceptance drops. The target's scores are
+    still checked: `accept_sampling` draws the next token with `multinomial`, which raises on a NaN target row as
+    vanilla does.
     """
     if not do_sample:
         return scores.argmax(dim=-1)

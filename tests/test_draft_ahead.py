@@ -64,6 +64,28 @@ def test_no_draft_queued_ahead_for_a_lone_row_that_eos_may_end_or_a_streamer(ahe
     assert len(ahead_calls) >= 2
 
 
+def test_a_wasted_queued_draft_leaves_the_generator_where_it_was(ahead_calls, monkeypatch):
+    """A draft queued for a batch that then stops (every row at once, as `max_time` or EOS can end it) is wasted; its
+    draws must not move the generator, so a second call samples what it would have sampled without it. Forced here
+    by queueing after every iteration, the last one included."""
+    model = tiny_model("qwen3", seed=3)
+    ids, mask = ragged_batch([50, 33, 41], seed=3)
+    common = dict(attention_mask=mask, max_new_tokens=20, do_sample=True, temperature=1.3, top_k=20, pad_token_id=0,
+                  eos_token_id=None, custom_generate="vegas", vegas_gamma=3, return_dict_in_generate=True, **SPARSE)
+    runs = []
+    for policy in (lambda loop, gamma: True, lambda loop, gamma: False):
+        monkeypatch.setattr(decoding._Loop, "_may_draft_ahead", policy)
+        torch.manual_seed(5)
+        out = model.generate(ids, **common)
+        runs.append((out.sequences, torch.rand(8)))
+        if not ahead_calls:
+            continue
+        assert len(ahead_calls) == out.accepted.shape[1], "each iteration, the last included, queued the next draft"
+        ahead_calls.clear()
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1], runs[1][1]), "the wasted draft's draws moved the generator"
+
+
 @needs_gpu
 def test_graph_drafts_queued_ahead_keep_greedy_vanilla_and_the_sampled_tokens(ahead_calls, monkeypatch):
     """On the GPU the queued draft is a graph replay that runs while the host reads the previous counts."""
@@ -81,6 +103,13 @@ def test_graph_drafts_queued_ahead_keep_greedy_vanilla_and_the_sampled_tokens(ah
     monkeypatch.setattr(decoding._Loop, "_may_draft_ahead", lambda loop, gamma: False)
     torch.manual_seed(11)
     assert torch.equal(model.generate(ids, **sampling), ahead)
+    # a queued draft wasted at the end (forced) leaves the CUDA generator where the in-order run leaves it
+    draws = []
+    for policy in (lambda loop, gamma: True, lambda loop, gamma: False):
+        monkeypatch.setattr(decoding._Loop, "_may_draft_ahead", policy)
+        torch.manual_seed(11)
+        draws.append((model.generate(ids, **sampling), torch.rand(8, device="cuda")))
+    assert torch.equal(draws[0][0], draws[1][0]) and torch.equal(draws[0][1], draws[1][1])
 
 
 class _Tokens:

@@ -21,6 +21,15 @@ def _rows(kind: str, vocab: int, seed: int) -> torch.Tensor:
         scores[:, torch.randperm(vocab, generator=gen)[: vocab * 3 // 4]] = float("-inf")
     elif kind == "one_token":
         scores[:, 1:] = float("-inf")
+    elif kind == "adjacent":  # distinct scores one float apart: a cut between neighbouring keys, no ties
+        steps = torch.arange(vocab, dtype=torch.int32)[torch.randperm(vocab, generator=gen)]
+        base = torch.tensor([1.0, 2.5, 7.0, 0.25, 3.0]).view(torch.int32)[:, None]
+        scores = (base + steps[None, :]).view(torch.float32) * torch.tensor([1.0, 1.0, 1.0, 40.0, 4.0])[:, None]
+    elif kind == "adjacent_ties":  # each of 8 neighbouring floats many times: ties at the cut and just above it
+        steps = torch.randint(0, 8, (5, vocab), generator=gen, dtype=torch.int32)
+        scores = (torch.tensor(3.0).view(torch.int32) + steps).view(torch.float32)
+    elif kind == "peaked":  # a trained model's shape: a few raised tokens, so the lists above t_lo stay short
+        scores[:, torch.randperm(vocab, generator=gen)[:5]] += 12.0
     elif kind == "signed_zeros":  # -0.0 and +0.0 are equal scores: ties broken by index, as the sort does
         scores[:, : vocab // 2] -= 30.0
         scores[:, ::7] = 0.0
@@ -46,13 +55,20 @@ def poison(monkeypatch):
     return apply
 
 
-@pytest.mark.parametrize("kind", ["plain", "ties", "masked", "one_token", "signed_zeros"])
-@pytest.mark.parametrize("vocab", [301, 1000])
+@pytest.mark.parametrize("kind", ["plain", "ties", "masked", "one_token", "signed_zeros", "adjacent", "adjacent_ties",
+                                  "peaked"])
+@pytest.mark.parametrize("vocab", [301, 700, 1000])  # 2, 3 (fewer than the power of two) and 4 chunks
 def test_top_p_kernel_matches_the_stable_rule(kind, vocab, poison):
     scores = _rows(kind, vocab, seed=vocab)
     for top_p in TOP_P:
         out = _filter(scores, top_p, poison)
         expected = reference.top_p_filter(scores.cpu(), top_p)
+        if kind == "adjacent_ties":
+            # Hundreds of near-equal probabilities: how many ties at the cut go is floor((1 - top_p - below) / p),
+            # a ratio that can sit within fp32 rounding of an integer, and the kernel sums `below` in another order
+            # than the sort's scan: one token per row may fall on the other side (the module docstring's caveat).
+            assert int((out.cpu().isinf() != expected.isinf()).sum(dim=1).max()) <= 1, f"top_p {top_p}"
+            continue
         torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0, equal_nan=False)
         assert bool((~out.isinf()).any(dim=1).all()), "every row keeps at least one token"
 
