@@ -26,7 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hf_vegas
-from hf_vegas import decoding
+from hf_vegas import loop
 from hf_vegas.runner import StepRunner
 
 GiB = 2**30
@@ -130,7 +130,7 @@ def main() -> None:
             hf_vegas.release_graphs(model)
 
     # Profile one step of each kind in a third Vegas generation, and the peak memory of each step kind.
-    original_verify, original_draft, original_iterate = StepRunner.verify, StepRunner.draft, decoding._Loop._iterate
+    original_verify, original_draft, original_iterate = StepRunner.verify, StepRunner.draft, loop.DecodeLoop._iterate
     original_prefill = StepRunner.prefill
     profiles, step_peaks, calls = {}, defaultdict(float), defaultdict(int)
 
@@ -171,7 +171,7 @@ def main() -> None:
     StepRunner.draft, StepRunner.verify = profiled("draft", original_draft), profiled("verify", original_verify)
     StepRunner.prefill = profiled("prefill", original_prefill)
     original_decode, StepRunner.decode = StepRunner.decode, profiled("decode", StepRunner.decode)
-    decoding._Loop._iterate = iterate
+    loop.DecodeLoop._iterate = iterate
     try:
         torch.manual_seed(0)
         model.generate(ids, **common, vegas_gamma=6)
@@ -183,7 +183,7 @@ def main() -> None:
     finally:
         StepRunner.draft, StepRunner.verify, StepRunner.prefill = original_draft, original_verify, original_prefill
         StepRunner.decode = original_decode
-        decoding._Loop._iterate = original_iterate
+        loop.DecodeLoop._iterate = original_iterate
     if not leader:
         return
 

@@ -6,7 +6,7 @@ The library has no timing code; this module wraps the loop's private steps for t
                  -> verify (one graph replay: full attention, score emission, selection)
                  -> accept (acceptance, cache rollback, commit, and the one host synchronisation)
 
-When the loop queues the next iteration's draft before its synchronisation returns (`_Loop._draft_ahead`), that
+When the loop queues the next iteration's draft before its synchronisation returns (`DecodeLoop._draft_ahead`), that
 draft is timed as the next iteration's, and this iteration's accept interval ends where it starts. Its GPU time then
 falls mostly within the previous iteration's wall time, so `host` (clamped at 0) is no longer all the rest of it.
 
@@ -23,7 +23,7 @@ import time
 import torch
 from transformers import StoppingCriteria
 
-from hf_vegas import decoding
+from hf_vegas import loop
 from hf_vegas.runner import StepRunner
 
 
@@ -50,7 +50,7 @@ class IterationTimes:
     @contextlib.contextmanager
     def record(self):
         events: list[dict] = []
-        original_iterate = decoding._Loop._iterate
+        original_iterate = loop.DecodeLoop._iterate
         original_draft, original_verify, original_decode = StepRunner.draft, StepRunner.verify, StepRunner.decode
 
         def mark(name: str) -> None:
@@ -66,7 +66,7 @@ class IterationTimes:
             events.append({"wall_start": time.perf_counter(), "loop": loop})
             if ahead is None:
                 mark("start")
-            else:  # this iteration's draft was queued during the previous one (`_Loop._draft_ahead`)
+            else:  # this iteration's draft was queued during the previous one (`DecodeLoop._draft_ahead`)
                 events[-1]["start"], events[-1]["drafted"] = ahead["ahead_start"], ahead["ahead_drafted"]
             n = original_iterate(loop, active)  # ends with the iteration's host synchronisation
             events[-1]["wall_end"] = time.perf_counter()
@@ -88,13 +88,13 @@ class IterationTimes:
                 return out
             return forward
 
-        decoding._Loop._iterate = iterate
+        loop.DecodeLoop._iterate = iterate
         StepRunner.draft, StepRunner.verify = draft, verified(original_verify)
         StepRunner.decode = verified(original_decode)
         try:
             yield self
         finally:
-            decoding._Loop._iterate = original_iterate
+            loop.DecodeLoop._iterate = original_iterate
             StepRunner.draft, StepRunner.verify, StepRunner.decode = original_draft, original_verify, original_decode
             torch.cuda.synchronize()
             self.iterations = [_split(e) for e in events]

@@ -7,7 +7,7 @@ batches is several times what their memory traffic needs. Captured once and repl
 
     draft    gamma forwards and token choices, sampling included (`StepRunner.draft`)
     verify   the verification forward (dense decoding: the one-token "decode" forward)
-    accept   logits processing, acceptance and the length/EOS cut (`decoding._Loop._accept`)
+    accept   logits processing, acceptance and the length/EOS cut (`loop.DecodeLoop._accept`)
 
 Processors that read the history (a repetition penalty) and stopping criteria other than length and EOS need the
 host: with them a draft is gamma one-forward graphs and the acceptance runs eagerly.

@@ -1,11 +1,11 @@
-"""The next iteration's draft queued before the host reads the kept counts (`_Loop._draft_ahead`): taken only when
+"""The next iteration's draft queued before the host reads the kept counts (`DecodeLoop._draft_ahead`): taken only when
 the batch surely goes on, and never a change to the output (greedy stays vanilla's, sampling keeps its tokens)."""
 
 import pytest
 import torch
 from transformers import TextStreamer
 
-import hf_vegas.decoding as decoding
+import hf_vegas.loop as loop
 from tiny_models import ragged_batch, tiny_model
 
 SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=4)
@@ -16,13 +16,13 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.fixture
 def ahead_calls(monkeypatch):
     calls = []
-    original = decoding._Loop._draft_ahead
+    original = loop.DecodeLoop._draft_ahead
 
     def counted(loop):
         calls.append(len(loop.generated))
         return original(loop)
 
-    monkeypatch.setattr(decoding._Loop, "_draft_ahead", counted)
+    monkeypatch.setattr(loop.DecodeLoop, "_draft_ahead", counted)
     return calls
 
 
@@ -45,7 +45,7 @@ def test_sampling_draws_the_same_tokens_with_and_without_drafts_queued_ahead(mon
                   pad_token_id=0, eos_token_id=None, custom_generate="vegas", vegas_gamma=3, **SPARSE)
     torch.manual_seed(7)
     ahead = model.generate(ids, **common)
-    monkeypatch.setattr(decoding._Loop, "_may_draft_ahead", lambda loop, gamma: False)
+    monkeypatch.setattr(loop.DecodeLoop, "_may_draft_ahead", lambda loop, gamma: False)
     torch.manual_seed(7)
     in_order = model.generate(ids, **common)
     assert torch.equal(ahead, in_order)
@@ -74,7 +74,7 @@ def test_a_wasted_queued_draft_leaves_the_generator_where_it_was(ahead_calls, mo
                   eos_token_id=None, custom_generate="vegas", vegas_gamma=3, return_dict_in_generate=True, **SPARSE)
     runs = []
     for policy in (lambda loop, gamma: True, lambda loop, gamma: False):
-        monkeypatch.setattr(decoding._Loop, "_may_draft_ahead", policy)
+        monkeypatch.setattr(loop.DecodeLoop, "_may_draft_ahead", policy)
         torch.manual_seed(5)
         out = model.generate(ids, **common)
         runs.append((out.sequences, torch.rand(8)))
@@ -100,13 +100,13 @@ def test_graph_drafts_queued_ahead_keep_greedy_vanilla_and_the_sampled_tokens(ah
                     **SPARSE)
     torch.manual_seed(11)
     ahead = model.generate(ids, **sampling)
-    monkeypatch.setattr(decoding._Loop, "_may_draft_ahead", lambda loop, gamma: False)
+    monkeypatch.setattr(loop.DecodeLoop, "_may_draft_ahead", lambda loop, gamma: False)
     torch.manual_seed(11)
     assert torch.equal(model.generate(ids, **sampling), ahead)
     # a queued draft wasted at the end (forced) leaves the CUDA generator where the in-order run leaves it
     draws = []
     for policy in (lambda loop, gamma: True, lambda loop, gamma: False):
-        monkeypatch.setattr(decoding._Loop, "_may_draft_ahead", policy)
+        monkeypatch.setattr(loop.DecodeLoop, "_may_draft_ahead", policy)
         torch.manual_seed(11)
         draws.append((model.generate(ids, **sampling), torch.rand(8, device="cuda")))
     assert torch.equal(draws[0][0], draws[1][0]) and torch.equal(draws[0][1], draws[1][1])

@@ -8,7 +8,7 @@ negative control runs the same test with a wrong draft probability and must fail
 import pytest
 import torch
 
-import hf_vegas.decoding as decoding
+import hf_vegas.loop as loop
 from hf_vegas import sampling
 from tiny_models import tiny_model
 
@@ -44,7 +44,7 @@ def test_wrong_draft_probability_is_detected(setup, monkeypatch):
     def accept_without_q(draft, draft_scores, target_scores):
         return sampling.accept_sampling(draft, torch.zeros_like(draft_scores), target_scores)
 
-    monkeypatch.setattr(decoding, "accept_sampling", accept_without_q)
+    monkeypatch.setattr(loop, "accept_sampling", accept_without_q)
     counts, _ = vegas_samples(model, prompt, **DRAFT)
     p_value = chi_square_p_value(counts, expected, ROWS)
     print(f"control p={p_value:.3g}")
