@@ -263,6 +263,14 @@ def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float
     return scores.masked_fill(removed.scatter(1, order, removed), filter_value)
 
 
+def race_argmax(scores: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
+    """The winner of the exponential race per row: `argmax(scores - log(race))`, which is `argmax(softmax(scores) /
+    race)` (the row's softmax denominator does not change the winner). A NaN key never wins; a row without a finite
+    key gives 0. `(B, V)` scores and positive draws, returns `(B,)` int64."""
+    key = scores.float() - race.float().log()
+    return key.masked_fill(key.isnan(), float("-inf")).argmax(dim=-1)
+
+
 def write_kv(k_cache, v_cache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
     """`k_cache[b, slots[b, t]] = key[b, :, t]` (and values), in place. Caches `(B, S, H, D)`, `key` `(B, H, T, D)`."""
     rows = torch.arange(key.shape[0], device=slots.device)[:, None]

@@ -10,8 +10,9 @@ Installed with hf_vegas under this name, never as a top-level `kernels` module (
 from .linear import gated_linear, gated_linear_op, grouped_linear, linear_residual, linear_residual_op, qkv_linear
 from .ops import (dense_attention, finalize_scores, qkv_rope_write, rms_norm, select_topk,
                   sparse_draft_attention, verify_attention, write_kv)
+from .race import race_argmax
 from .top_p import top_p_filter
 
 __all__ = ["dense_attention", "finalize_scores", "gated_linear", "gated_linear_op", "grouped_linear",
-           "linear_residual", "linear_residual_op", "qkv_linear", "qkv_rope_write", "rms_norm", "select_topk",
-           "sparse_draft_attention", "top_p_filter", "verify_attention", "write_kv"]
+           "linear_residual", "linear_residual_op", "qkv_linear", "qkv_rope_write", "race_argmax", "rms_norm",
+           "select_topk", "sparse_draft_attention", "top_p_filter", "verify_attention", "write_kv"]
