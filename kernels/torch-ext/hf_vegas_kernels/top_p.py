@@ -19,7 +19,9 @@ of them together stay below `1 - top_p`: `t_c > t_lo`. One launch therefore sums
 the scores above it into a per-chunk list (in index order), and the threshold passes read only their lists, each
 keeping for the next the entries still inside its bracket. Three launches read the whole row (softmax statistics,
 compaction, the filtered copy); the other nine read lists of a few entries when the distribution is peaked, and
-never more than the row (flat rows, e.g. a random model's, keep most of it). Until e0b2096 each of the 8 passes
+never more than the row (flat rows, e.g. a random model's, keep most of it). On Hopper each launch is a programmatic
+dependent of the one before (`_launch.pdl`): it is launched while that one finishes and waits before its first
+load, so the nine short launches overlap their launch latency. Until e0b2096 each of the 8 passes
 compared every score with its 16 thresholds. On an H100 (`benchmarks/top_p.py`, results/top_p.jsonl) rows shaped like
 a trained model's (`--logits peaked`) take 80 us for 64 x 49K and 356 us for 448 x 49K (168 and 1,023 before, same
 call, from a one-off A/B script), flat rows 88 and 413 (164 and 1,021), the warper's sort 458 and 2,756.
@@ -115,7 +117,9 @@ def _bracket(Below, Bracket, Base, Mass, row, num_rows, num_chunks, removed_mass
 
 @triton.jit
 def _chunk_stats(Scores, ChunkMax, ChunkSum, vocab, stride_s, num_chunks, CHUNK: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the scores or lists are earlier kernels' output
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     scores = Scores + row * stride_s
@@ -124,6 +128,8 @@ def _chunk_stats(Scores, ChunkMax, ChunkSum, vocab, stride_s, num_chunks, CHUNK:
         i = v0 + tl.arange(0, BLOCK)
         top = tl.maximum(top, tl.load(scores + i, mask=i < vocab, other=float("-inf")))
     chunk_max = tl.max(top, axis=0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     total = tl.zeros([BLOCK], tl.float32)
     for v0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         i = v0 + tl.arange(0, BLOCK)
@@ -136,8 +142,10 @@ def _chunk_stats(Scores, ChunkMax, ChunkSum, vocab, stride_s, num_chunks, CHUNK:
 
 @triton.jit
 def _compact(Scores, ChunkMax, ChunkSum, List, Count, Below, vocab, stride_s, num_chunks, removed_mass,
-             CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+             CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, USE_GDC: tl.constexpr):
     """This chunk's mass below `t_lo`, and its scores above it, in index order, into list 0."""
+    if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the scores or lists are earlier kernels' output
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     scores = Scores + row * stride_s
@@ -155,6 +163,8 @@ def _compact(Scores, ChunkMax, ChunkSum, List, Count, Below, vocab, stride_s, nu
         keep = (valid & (key >= floor)).to(tl.int32)
         tl.store(out + written + tl.cumsum(keep, axis=0) - keep, x, mask=keep == 1)
         written += tl.sum(keep, axis=0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(Count + row * num_chunks + chunk, written)
     tl.store(Below + row * num_chunks + chunk, tl.sum(below, axis=0))
 
@@ -163,11 +173,13 @@ def _compact(Scores, ChunkMax, ChunkSum, List, Count, Below, vocab, stride_s, nu
 def _threshold_pass(
     ChunkMax, ChunkSum, List, Count, Below, Bracket, Base, Mass, Ties, vocab, num_rows, num_chunks, removed_mass,
     PASS, THRESHOLDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
-    FINAL: tl.constexpr,
+    FINAL: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """Pass `PASS` < 8 reads list `PASS % 2`: the mass of its entries inside the bracket at the pass's 16 thresholds,
     and those entries into the other list. `FINAL` (pass 8): the bracket is the cut; this chunk's count of entries
     at it."""
+    if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the scores or lists are earlier kernels' output
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     top, inv_total = _row_softmax(ChunkMax, ChunkSum, row, num_chunks, BLOCK_C)
@@ -179,6 +191,8 @@ def _threshold_pass(
         tl.store(Bracket + (PASS * num_rows + row) * 2, lo)
         tl.store(Bracket + (PASS * num_rows + row) * 2 + 1, hi)
         tl.store(Base + PASS * num_rows + row, base)
+    if USE_GDC:  # the rest reads one short list: let the next pass launch and wait
+        tl.extra.cuda.gdc_launch_dependents()
     slot = row * num_chunks + chunk
     source = (PASS % 2) * num_rows * num_chunks + slot
     entries = List + source * CHUNK
@@ -215,8 +229,10 @@ def _threshold_pass(
 def _write_filtered(
     Scores, Out, ChunkMax, ChunkSum, Bracket, Base, Ties, vocab, stride_s, stride_o, num_rows, num_chunks,
     removed_mass, filter_value, PASSES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    BLOCK_C: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the scores or lists are earlier kernels' output
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     top, inv_total = _row_softmax(ChunkMax, ChunkSum, row, num_chunks, BLOCK_C)
@@ -226,6 +242,8 @@ def _write_filtered(
     c = tl.arange(0, BLOCK_C)
     ties_before = tl.sum(tl.load(Ties + row * num_chunks + c, mask=c < chunk, other=0), axis=0)
     ties_removed = tl.maximum(tl.floor((removed_mass - below) / p_cut), 0.0).to(tl.int32)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     scores = Scores + row * stride_s
     out = Out + row * stride_o
     ties_seen = ties_before
@@ -268,7 +286,8 @@ def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float
     # The warper compares the fp32 cumulative sums with 1 - top_p rounded to fp32: so does the kernel.
     removed_mass = float(torch.tensor(1.0 - top_p, dtype=torch.float32))
     grid = (rows, num_chunks)
-    common = dict(CHUNK=chunk, BLOCK=block, num_warps=tuning["num_warps"])
+    common = dict(CHUNK=chunk, BLOCK=block, num_warps=tuning["num_warps"], USE_GDC=_launch.pdl(device),
+                  **_launch.pdl_launch(device))
     _chunk_stats[grid](scores, chunk_max, chunk_sum, vocab, scores.stride(0), num_chunks, **common)
     _compact[grid](scores, chunk_max, chunk_sum, lists, count, below, vocab, scores.stride(0), num_chunks,
                    removed_mass, BLOCK_C=block_c, **common)
