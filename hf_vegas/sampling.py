@@ -38,18 +38,36 @@ HISTORY_FREE = (
 class KernelTopP(LogitsProcessor):
     """`TopPLogitsWarper` through the Triton threshold search (`hf_vegas_kernels.top_p`): the same kept set without
     sorting the vocabulary (H100, `benchmarks/top_p.py`: 356 us against the sort's 2.76 ms for a verification's 448
-    rows of 49K scores shaped like a trained model's)."""
+    rows of 49K scores shaped like a trained model's).
 
-    def __init__(self, warper: TopPLogitsWarper):
-        self.top_p, self.filter_value = warper.top_p, warper.filter_value
+    `temperature`: a `TemperatureLogitsWarper` just before it, folded in (the kernel divides as that warper does on
+    CUDA), so the pair reads the rows once instead of writing a divided copy first. It reads the model's logits in
+    their own dtype (the fp32 copy `generate` makes is exact) and returns new fp32 scores."""
+
+    def __init__(self, warper: TopPLogitsWarper, temperature: float | None = None):
+        self.top_p, self.filter_value, self.temperature = warper.top_p, warper.filter_value, temperature
 
     def __call__(self, input_ids, scores: torch.Tensor) -> torch.Tensor:
-        return backend.kernels().top_p_filter(scores, self.top_p, self.filter_value)
+        return backend.kernels().top_p_filter(scores, self.top_p, self.filter_value, self.temperature)
 
 
 def _kernel_replaces(processor) -> bool:
     return (isinstance(processor, TopPLogitsWarper) and processor.min_tokens_to_keep == 1
             and backend.kernels().top_p.MIN_TOP_P <= processor.top_p < 1.0)
+
+
+def _with_kernels(processors: LogitsProcessorList) -> LogitsProcessorList:
+    """`processors` with each top-p warper that the kernel reproduces as `KernelTopP`, a temperature warper right
+    before it folded in."""
+    out = []
+    for processor in processors:
+        if not _kernel_replaces(processor):
+            out.append(processor)
+        elif out and type(out[-1]) is TemperatureLogitsWarper:
+            out.append(KernelTopP(processor, temperature=out.pop().temperature))
+        else:
+            out.append(KernelTopP(processor))
+    return LogitsProcessorList(out)
 
 
 # History-free processors that run inside a CUDA graph: no host synchronisation, and settings that are plain numbers
@@ -68,7 +86,7 @@ def _settings(processor) -> tuple | None:
 class LogitsPipeline:
     """Applies a `LogitsProcessorList` to `(B, V)` logits given each row's history length in `tokens`.
 
-    With `kernels=True` (the Triton backend), top-p filtering runs as `KernelTopP`.
+    With `kernels=True` (the Triton backend), top-p filtering runs as `KernelTopP` (with the temperature before it).
     `batched`: no processor reads the history, so one call covers every row and position.
     `capture_key`: when the processors can run inside a CUDA graph (`hf_vegas.graphs`), their settings, which such a
     graph bakes in (None when they cannot).
@@ -77,7 +95,7 @@ class LogitsPipeline:
     def __init__(self, processors: LogitsProcessorList | None, kernels: bool = False):
         processors = processors if processors is not None else LogitsProcessorList()
         if kernels:
-            processors = LogitsProcessorList(KernelTopP(p) if _kernel_replaces(p) else p for p in processors)
+            processors = _with_kernels(processors)
         self.processors = processors
         self.batched = all(isinstance(p, (*HISTORY_FREE, KernelTopP)) for p in self.processors)
         # Exact classes only: a subclass may read the history or keep Python state that a replay would not update.
@@ -93,7 +111,11 @@ class LogitsPipeline:
         if keep_dtype and len(self.processors) == 0:
             return logits
         shape = logits.shape
-        scores = logits.reshape(-1, shape[-1]).to(dtype=torch.float32, copy=True)
+        scores = logits.reshape(-1, shape[-1])
+        if not (len(self.processors) and isinstance(self.processors[0], KernelTopP)):
+            # vanilla's fp32 copy (processors may write into their input); `KernelTopP` reads the logits as they
+            # are and writes new fp32 scores, so it needs none
+            scores = scores.to(dtype=torch.float32, copy=True)
         if len(self.processors):
             scores = self.processors(None, scores)  # history-free processors never read `input_ids`
         return scores.reshape(shape)

@@ -88,8 +88,44 @@ def test_top_p_kernel_keeps_a_custom_filter_value_and_refuses_bad_arguments():
     for bad in (0.0, 1e-8, 1.0):  # tiny top_p: fp32 cannot tell 1 - top_p from the total mass; the warper keeps them
         with pytest.raises(ValueError, match="top_p"):
             kernels.top_p_filter(scores, bad)
-    with pytest.raises(ValueError, match="fp32"):
-        kernels.top_p_filter(scores.half(), 0.5)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        kernels.top_p_filter(scores.double(), 0.5)
+    for bad in (0.0, -1.0, float("nan"), "0.6"):
+        with pytest.raises(ValueError, match="temperature"):
+            kernels.top_p_filter(scores, 0.5, temperature=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["plain", "ties", "peaked"])
+def test_top_p_kernel_with_the_temperature_folded_in(kind, dtype, poison):
+    """Temperature then top-p in one call, reading the logits in the model's dtype: the reference's scores (the fp32
+    copy times the fp32 reciprocal, as CUDA divides by a Python number) and kept set, exactly."""
+    logits = (_rows(kind, 700, seed=5) * 3).to(dtype)
+    for top_p, temperature in ((0.9, 0.6), (0.5, 1.7), (0.999, 0.3)):
+        poison(kernels.top_p)
+        out = kernels.top_p_filter(logits, top_p, temperature=temperature)
+        assert out.dtype == torch.float32
+        expected = reference.top_p_filter(logits.cpu(), top_p, temperature=temperature)
+        torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0)
+
+
+def test_pipeline_folds_the_temperature_into_the_kernel():
+    """With the kernels, `[temperature, top-p]` is one `KernelTopP`; a temperature elsewhere stays the warper."""
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper)
+
+    from hf_vegas.sampling import KernelTopP, LogitsPipeline
+
+    pipeline = LogitsPipeline(LogitsProcessorList([TemperatureLogitsWarper(0.6), TopPLogitsWarper(0.9)]), kernels=True)
+    assert [type(p) for p in pipeline.processors] == [KernelTopP] and pipeline.processors[0].temperature == 0.6
+    assert pipeline.batched and pipeline.capture_key is not None
+    logits = (_rows("plain", 700, seed=6) * 3).to(torch.bfloat16)
+    torch.testing.assert_close(pipeline.history_free(logits).cpu(),
+                               reference.top_p_filter(logits.cpu(), 0.9, temperature=0.6), rtol=0, atol=0)
+    apart = LogitsPipeline(LogitsProcessorList([TemperatureLogitsWarper(0.6), TopKLogitsWarper(50),
+                                                TopPLogitsWarper(0.9)]), kernels=True)
+    assert [type(p) for p in apart.processors] == [TemperatureLogitsWarper, TopKLogitsWarper, KernelTopP]
+    assert apart.processors[2].temperature is None
 
 
 @pytest.mark.gpu
@@ -102,3 +138,20 @@ def test_top_p_kernel_at_a_real_vocabulary_on_the_gpu():
         mismatched = (kernels.top_p_filter(scores, top_p).isinf() != expected.isinf()).any(dim=1)
         # fp32 sums in two orders: a row may differ only where a cumulative sum sits within rounding of 1 - top_p
         assert int(mismatched.sum()) <= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU test above checks the reference")
+def test_folded_temperature_is_the_warpers_own_on_the_gpu():
+    """On CUDA the folded temperature gives the scores `TemperatureLogitsWarper` gives, bit for bit."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper
+
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(64, 49152, generator=gen) * 4).to(torch.bfloat16).cuda()
+    for temperature in (0.6, 0.7, 1.3):
+        warped = TemperatureLogitsWarper(temperature)(None, logits.float())
+        out = kernels.top_p_filter(logits, 0.95, temperature=temperature)
+        kept = ~out.isinf()
+        assert torch.equal(out[kept], warped[kept])
+        expected = reference.top_p_filter(logits, 0.95, temperature=temperature)
+        assert int((out.isinf() != expected.isinf()).any(dim=1).sum()) <= 1

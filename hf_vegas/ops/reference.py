@@ -253,9 +253,15 @@ def streaming_select(sel_count: torch.Tensor, sel_end: torch.Tensor, k_max: int,
     return torch.where(i < sinks, i, recent).clamp_min(0)
 
 
-def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float("-inf")) -> torch.Tensor:
+def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float("-inf"),
+                 temperature: float | None = None) -> torch.Tensor:
     """transformers' `TopPLogitsWarper` rule with ties broken as a stable sort breaks them (lowest index removed
-    first; CUDA's radix sort is stable, the CPU sort promises nothing among ties). Returns a new `(N, V)` tensor."""
+    first; CUDA's radix sort is stable, the CPU sort promises nothing among ties), on the fp32 scores divided by
+    `temperature` first if one is given, as `TemperatureLogitsWarper` divides on CUDA: times the fp32 reciprocal
+    (PyTorch's CUDA division by a Python number; the CPU's is exact). Returns a new fp32 `(N, V)` tensor."""
+    scores = scores.float()
+    if temperature is not None:
+        scores = scores * (torch.tensor(1.0) / torch.tensor(temperature, dtype=torch.float32)).item()
     ascending, order = torch.sort(scores, descending=False, stable=True)
     cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
     removed = cumulative <= (1 - top_p)

@@ -69,6 +69,16 @@ def _score_of_key(key):
 
 
 @triton.jit
+def _scaled(x, inv_temperature, HAS_TEMPERATURE: tl.constexpr):
+    """A score as the warpers see it on CUDA: in fp32 (exact from half precision), times the fp32 reciprocal of the
+    temperature, which is how PyTorch's CUDA division by a Python number computes `scores / temperature`."""
+    x = x.to(tl.float32)
+    if HAS_TEMPERATURE:
+        x = x * inv_temperature
+    return x
+
+
+@triton.jit
 def _row_softmax(ChunkMax, ChunkSum, row, num_chunks, BLOCK_C: tl.constexpr):
     """The row's maximum and 1 / sum(exp(x - max)), from the per-chunk statistics."""
     c = tl.arange(0, BLOCK_C)
@@ -116,8 +126,8 @@ def _bracket(Below, Bracket, Base, Mass, row, num_rows, num_chunks, removed_mass
 
 
 @triton.jit
-def _chunk_stats(Scores, ChunkMax, ChunkSum, vocab, stride_s, num_chunks, CHUNK: tl.constexpr,
-                 BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+def _chunk_stats(Scores, ChunkMax, ChunkSum, vocab, stride_s, num_chunks, inv_temperature, CHUNK: tl.constexpr,
+                 BLOCK: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, USE_GDC: tl.constexpr):
     if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the scores or lists are earlier kernels' output
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
@@ -126,14 +136,16 @@ def _chunk_stats(Scores, ChunkMax, ChunkSum, vocab, stride_s, num_chunks, CHUNK:
     top = tl.full([BLOCK], float("-inf"), tl.float32)
     for v0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         i = v0 + tl.arange(0, BLOCK)
-        top = tl.maximum(top, tl.load(scores + i, mask=i < vocab, other=float("-inf")))
+        top = tl.maximum(top, _scaled(tl.load(scores + i, mask=i < vocab, other=float("-inf")), inv_temperature,
+                                      HAS_TEMPERATURE))
     chunk_max = tl.max(top, axis=0)
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
     total = tl.zeros([BLOCK], tl.float32)
     for v0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         i = v0 + tl.arange(0, BLOCK)
-        total += tl.exp(tl.load(scores + i, mask=i < vocab, other=float("-inf")) - chunk_max)
+        total += tl.exp(_scaled(tl.load(scores + i, mask=i < vocab, other=float("-inf")), inv_temperature,
+                                HAS_TEMPERATURE) - chunk_max)
     # An all -inf chunk has max -inf: its sum is 0, and exp(-inf - top) weighs it out of the row's total.
     chunk_sum = tl.where(chunk_max == float("-inf"), 0.0, tl.sum(total, axis=0))
     tl.store(ChunkMax + row * num_chunks + chunk, chunk_max)
@@ -142,7 +154,8 @@ def _chunk_stats(Scores, ChunkMax, ChunkSum, vocab, stride_s, num_chunks, CHUNK:
 
 @triton.jit
 def _compact(Scores, ChunkMax, ChunkSum, List, Count, Below, vocab, stride_s, num_chunks, removed_mass,
-             CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, USE_GDC: tl.constexpr):
+             inv_temperature, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+             HAS_TEMPERATURE: tl.constexpr, USE_GDC: tl.constexpr):
     """This chunk's mass below `t_lo`, and its scores above it, in index order, into list 0."""
     if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the scores or lists are earlier kernels' output
         tl.extra.cuda.gdc_wait()
@@ -157,7 +170,7 @@ def _compact(Scores, ChunkMax, ChunkSum, List, Count, Below, vocab, stride_s, nu
     for v0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         i = v0 + tl.arange(0, BLOCK)
         valid = i < vocab
-        x = tl.load(scores + i, mask=valid, other=float("-inf"))
+        x = _scaled(tl.load(scores + i, mask=valid, other=float("-inf")), inv_temperature, HAS_TEMPERATURE)
         key = _ordered_key(x)
         below += tl.where(valid & (key < floor), tl.exp(x - top) * inv_total, 0.0)
         keep = (valid & (key >= floor)).to(tl.int32)
@@ -228,8 +241,8 @@ def _threshold_pass(
 @triton.jit
 def _write_filtered(
     Scores, Out, ChunkMax, ChunkSum, Bracket, Base, Ties, vocab, stride_s, stride_o, num_rows, num_chunks,
-    removed_mass, filter_value, PASSES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_C: tl.constexpr, USE_GDC: tl.constexpr,
+    removed_mass, filter_value, inv_temperature, PASSES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_C: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the scores or lists are earlier kernels' output
         tl.extra.cuda.gdc_wait()
@@ -250,7 +263,7 @@ def _write_filtered(
     for v0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         i = v0 + tl.arange(0, BLOCK)
         valid = i < vocab
-        x = tl.load(scores + i, mask=valid, other=float("-inf"))
+        x = _scaled(tl.load(scores + i, mask=valid, other=float("-inf")), inv_temperature, HAS_TEMPERATURE)
         key = _ordered_key(x)
         tie = (valid & (key == cut)).to(tl.int32)
         tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
@@ -259,13 +272,27 @@ def _write_filtered(
         ties_seen += tl.sum(tie, axis=0)
 
 
-def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float("-inf")) -> torch.Tensor:
-    """`TopPLogitsWarper(top_p, filter_value)(None, scores)` for fp32 `scores` `(N, V)` with `MIN_TOP_P <= top_p < 1`
-    (and `min_tokens_to_keep=1`, which this rule always honours). Returns a new tensor."""
+def temperature_reciprocal(temperature: float) -> float:
+    """`1 / temperature` in fp32, as PyTorch's CUDA kernels divide by a Python number (`a * (1 / b)`, the reciprocal
+    rounded once; the CPU divides exactly)."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32))
+
+
+def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float("-inf"),
+                 temperature: float | None = None) -> torch.Tensor:
+    """`TopPLogitsWarper(top_p, filter_value)(None, scores)` for `(N, V)` scores with `MIN_TOP_P <= top_p < 1` (and
+    `min_tokens_to_keep=1`, which this rule always honours). Returns a new fp32 tensor.
+
+    `scores` in fp32, or in bf16 / fp16, read as the fp32 copy `generate` makes (exact). `temperature`: first divide
+    them by it, as `TemperatureLogitsWarper` does on CUDA (bit for bit: times `temperature_reciprocal`), so the pair
+    costs no extra pass over the rows."""
     if not MIN_TOP_P <= top_p < 1.0:
         raise ValueError(f"top_p_filter needs {MIN_TOP_P} <= top_p < 1, got {top_p}")
-    if scores.dtype != torch.float32 or scores.dim() != 2:
-        raise ValueError(f"top_p_filter takes fp32 (N, V) scores, got {scores.dtype} {tuple(scores.shape)}")
+    if scores.dtype not in (torch.float32, torch.bfloat16, torch.float16) or scores.dim() != 2:
+        raise ValueError(f"top_p_filter takes (N, V) scores in float32, bfloat16 or float16, got {scores.dtype} "
+                         f"{tuple(scores.shape)}")
+    if temperature is not None and not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"top_p_filter: temperature must be a positive number or None, got {temperature!r}")
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     rows, vocab = scores.shape
     tuning = TUNING if scores.device.type == "cuda" else _CPU_TUNING
@@ -288,9 +315,11 @@ def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float
     grid = (rows, num_chunks)
     common = dict(CHUNK=chunk, BLOCK=block, num_warps=tuning["num_warps"], USE_GDC=_launch.pdl(device),
                   **_launch.pdl_launch(device))
-    _chunk_stats[grid](scores, chunk_max, chunk_sum, vocab, scores.stride(0), num_chunks, **common)
+    scaling = dict(HAS_TEMPERATURE=temperature is not None)
+    t = temperature_reciprocal(temperature) if temperature is not None else 1.0
+    _chunk_stats[grid](scores, chunk_max, chunk_sum, vocab, scores.stride(0), num_chunks, t, **scaling, **common)
     _compact[grid](scores, chunk_max, chunk_sum, lists, count, below, vocab, scores.stride(0), num_chunks,
-                   removed_mass, BLOCK_C=block_c, **common)
+                   removed_mass, t, BLOCK_C=block_c, **scaling, **common)
     for step in range(PASSES + 1):
         _threshold_pass[grid](
             chunk_max, chunk_sum, lists, count, below, bracket, base, mass, ties, vocab, rows, num_chunks,
@@ -298,6 +327,6 @@ def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float
         )
     _write_filtered[grid](
         scores, out, chunk_max, chunk_sum, bracket, base, ties, vocab, scores.stride(0), out.stride(0), rows,
-        num_chunks, removed_mass, float(filter_value), PASSES=PASSES, BLOCK_C=block_c, **common,
+        num_chunks, removed_mass, float(filter_value), t, PASSES=PASSES, BLOCK_C=block_c, **scaling, **common,
     )
     return out
