@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from .ops import backend, reference
+from .ops import backend
 
 # Warpers whose output depends on the scores only, never on `input_ids`.
 HISTORY_FREE = (
@@ -112,7 +112,8 @@ class LogitsPipeline:
             return logits
         shape = logits.shape
         scores = logits.reshape(-1, shape[-1])
-        if not (len(self.processors) and isinstance(self.processors[0], KernelTopP)):
+        if not (len(self.processors) and isinstance(self.processors[0], KernelTopP)
+                and scores.dtype in (torch.float32, torch.bfloat16, torch.float16)):
             # vanilla's fp32 copy (processors may write into their input); `KernelTopP` reads the logits as they
             # are and writes new fp32 scores, so it needs none
             scores = scores.to(dtype=torch.float32, copy=True)
@@ -157,20 +158,27 @@ def choose_draft(scores: torch.Tensor, do_sample: bool, kernels: bool = False) -
     """A draft token per row: `choose`'s token, from the same draws, without `torch.multinomial`'s checks.
 
     One sample of `multinomial` is the exponential race `argmax(probs / E)`, `E ~ Exp(1)` drawn by `exponential_`
-    on a tensor of the probabilities' shape; this is that race alone, run as `argmax(scores - log E)` (the softmax's
-    denominator is one number per row, so the winner is the same up to rounding and no probability is written).
-    `kernels` (the Triton backend): the race is one launch (`hf_vegas_kernels.race_argmax`) instead of three over
-    the `(B, V)` scores. The checks it skips (no inf, nan or negative probability, no all-zero row) are four
-    reductions and two asserts over the whole `(B, V)` tensor, a sixth of a draft step's sampling on an H100
-    (`benchmarks/profile_forward.py --sample`). A row of NaN draft scores then drafts token 0 instead of raising;
-    its acceptance test (`u * q <= p`) fails on the NaN, so the token is rejected and the target resamples: the
-    output stays vanilla's, only acceptance drops. The target's scores are still checked: `accept_sampling` draws
-    the next token with `multinomial`, which raises on a NaN target row as vanilla does.
+    on a tensor of the probabilities' shape; this is that race alone. `kernels` (the Triton backend): the race after
+    the draws is one launch (`hf_vegas_kernels.race_argmax`, `argmax(scores - log E)`: the softmax's denominator is
+    one number per row, so the winner is the same up to rounding and no probability is written) instead of three
+    over the `(B, V)` scores (softmax, division, argmax).
+
+    The checks it skips (no inf, nan or negative probability, no all-zero row) are four reductions and two asserts
+    over the whole `(B, V)` tensor, a sixth of a draft step's sampling on an H100 (`benchmarks/profile_forward.py
+    --sample`). A row of NaN draft scores then drafts token 0 instead of raising; its acceptance test
+    (`u * q <= p`) fails on the NaN, so the token is rejected and the target resamples: the output stays vanilla's,
+    only acceptance drops. The target's scores are still checked: `accept_sampling` draws the next token with
+    `multinomial`, which raises on a NaN target row as vanilla does.
     """
     if not do_sample:
         return scores.argmax(dim=-1)
-    race = torch.empty_like(scores, dtype=torch.float32).exponential_(1)
-    return (backend.kernels() if kernels else reference).race_argmax(scores, race)
+    if kernels:
+        race = torch.empty_like(scores, dtype=torch.float32).exponential_(1)
+        return backend.kernels().race_argmax(scores, race)
+    # Eagerly the softmax form is three launches where `reference.race_argmax`'s logarithm form is five.
+    probs = torch.softmax(scores, dim=-1)
+    race = torch.empty_like(probs).exponential_(1)
+    return (probs / race).argmax(dim=-1)
 
 
 def leading_true(mask: torch.Tensor) -> torch.Tensor:

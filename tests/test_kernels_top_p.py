@@ -122,6 +122,9 @@ def test_pipeline_folds_the_temperature_into_the_kernel():
     logits = (_rows("plain", 700, seed=6) * 3).to(torch.bfloat16)
     torch.testing.assert_close(pipeline.history_free(logits).cpu(),
                                reference.top_p_filter(logits.cpu(), 0.9, temperature=0.6), rtol=0, atol=0)
+    # float64 logits (which the kernel does not read) still get vanilla's fp32 copy first
+    torch.testing.assert_close(pipeline.history_free(logits.double()).cpu(),
+                               reference.top_p_filter(logits.cpu(), 0.9, temperature=0.6), rtol=0, atol=0)
     apart = LogitsPipeline(LogitsProcessorList([TemperatureLogitsWarper(0.6), TopKLogitsWarper(50),
                                                 TopPLogitsWarper(0.9)]), kernels=True)
     assert [type(p) for p in apart.processors] == [TemperatureLogitsWarper, TopKLogitsWarper, KernelTopP]

@@ -3,12 +3,12 @@
 `torch.multinomial(softmax(scores), 1)` is the race `argmax(softmax(scores) / E)`, `E ~ Exp(1)`. The softmax's
 denominator is the same for the whole row, so the winner is `argmax(scores - log E)`, and no probability has to be
 written: `hf_vegas.sampling.choose_draft` draws `E` with `exponential_` (the generator moves as multinomial moves it)
-and this kernel runs the race. Eagerly that was three launches over the `(B, V)` scores (softmax, division, argmax).
+and this kernel runs the race. Eagerly that is three launches over the `(B, V)` scores (softmax, division, argmax).
 
 A program owns one chunk of one row and finds its winner (ties: the lowest index, as `torch.argmax`); the last
 program of a row to finish, counted by an atomic ticket it zeroes again (`_launch.tickets`), merges the chunks'
-winners. A NaN key (a NaN score, or a filtered `-inf` score against an infinite draw) never wins; a row with no
-finite key drafts token 0, which the acceptance then rejects. Semantics: `hf_vegas.ops.reference.race_argmax`.
+winners. A NaN key (a NaN score, or a filtered `-inf` score against a draw of 0) never wins; a row with no finite
+key drafts token 0, which the acceptance then rejects. Semantics: `hf_vegas.ops.reference.race_argmax`.
 """
 
 from __future__ import annotations
