@@ -37,8 +37,9 @@ class StepRunner:
         self.model = model
         self.cache = cache
         self.gamma = cache.selection.gamma  # `set_gamma` moves it (`gamma="auto"`)
-        self.pipeline = LogitsPipeline(logits_processor, kernels=cache.backend == "triton")
-        self.race_kernel = cache.backend == "triton"  # draft tokens drawn by `hf_vegas_kernels.race_argmax`
+        # The Triton backend also runs top-p (`KernelTopP`) and the draft tokens' race (`race_argmax`) as kernels.
+        self.kernels = cache.backend == "triton"
+        self.pipeline = LogitsPipeline(logits_processor, kernels=self.kernels)
         self.do_sample = do_sample
         self.graphs = graphs
 
@@ -148,7 +149,7 @@ class StepRunner:
         for _ in range(self.gamma):
             logits = self.call_model(ids, logits_to_keep=1)[:, -1]
             step_scores = self.pipeline.history_free(logits, keep_dtype=not keep_scores)
-            token = choose_draft(step_scores, self.do_sample, self.race_kernel)
+            token = choose_draft(step_scores, self.do_sample, self.kernels)
             drafts.append(token)
             scores.append(step_scores)
             ids = token[:, None]
@@ -162,7 +163,7 @@ class StepRunner:
         for i in range(self.gamma):  # `draft` declared the mode
             logits = self._replayed(ids, 1)[:, -1]
             step_scores = self.pipeline(tokens, [h + i for h in history], logits)
-            token = choose_draft(step_scores, self.do_sample, self.race_kernel)
+            token = choose_draft(step_scores, self.do_sample, self.kernels)
             tokens[rows, start + i] = token
             drafts.append(token)
             scores.append(step_scores)

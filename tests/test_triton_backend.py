@@ -8,7 +8,7 @@ from hf_vegas.ops.backend import resolve_backend
 from kernel_cases import DEVICE, import_kernels
 from tiny_models import BUILDERS, generation_cache, ragged_batch, tiny_model
 
-import_kernels()
+kernels_module = import_kernels()
 
 SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=8)
 # On the CPU every kernel launch runs in Triton's Python interpreter (~30 ms), so these end-to-end runs are short
@@ -142,17 +142,27 @@ def test_triton_boosted_budget_matches_reference_backend(monkeypatch):
     assert torch.equal(triton_out.accepted, torch_out.accepted)
 
 
-def test_triton_sampling_draws_the_same_tokens_as_reference_backend():
-    """Sampling uses the kernels' draft and target probabilities and top-p filter; with one seed both backends draw
-    alike."""
+@pytest.mark.parametrize("top_k", [20, 0])
+def test_triton_sampling_draws_the_same_tokens_as_reference_backend(top_k, monkeypatch):
+    """Sampling uses the kernels' draft and target probabilities, top-p filter and draft race; with one seed both
+    backends draw alike. Without top-k the temperature runs inside the top-p kernel (on the CPU its fp32 reciprocal
+    may move a score by one ulp against the warper's exact division: not enough to change these draws)."""
     model, ids, mask = _on_device(tiny_model("qwen3", seed=3), *ragged_batch([60, 33], seed=3))
-    common = dict(attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=1.3, top_k=20, top_p=0.9,
+    common = dict(attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=1.3, top_k=top_k, top_p=0.9,
                   pad_token_id=0, custom_generate="vegas", vegas_gamma=3, **SPARSE)
     torch.manual_seed(7)
     torch_out = model.generate(ids, **common, vegas_backend="torch")
+    filter_top_p, temperatures = kernels_module.top_p_filter, []
+
+    def spy(scores, top_p, filter_value=float("-inf"), temperature=None):
+        temperatures.append(temperature)
+        return filter_top_p(scores, top_p, filter_value, temperature)
+
+    monkeypatch.setattr(kernels_module, "top_p_filter", spy)
     torch.manual_seed(7)
     triton_out = model.generate(ids, **common, vegas_backend="triton")
     assert torch.equal(triton_out, torch_out)
+    assert temperatures and set(temperatures) == ({1.3} if top_k == 0 else {None}), "folded exactly without top-k"
 
 
 def test_triton_in_hf_assisted_loop():
