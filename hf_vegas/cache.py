@@ -19,11 +19,12 @@ layer reads.
 from __future__ import annotations
 
 import torch
+from hf_vegas_kernels import naive
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import placement
 from .config import VegasConfig
-from .ops import backend as backends, eager, reference
+from .ops import backend as backends, eager
 from .selection_state import SelectionState
 from .step_plan import StepPlan
 
@@ -68,7 +69,7 @@ class VegasLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         # (B, T) slots; pads point at the scratch slot. Decode-sized forwards write with one kernel for K and V;
         # a prefill (once per generation) keeps the two index_put kernels.
-        ops = self.ops if key_states.shape[2] <= KERNEL_WRITE_TOKENS else reference
+        ops = self.ops if key_states.shape[2] <= KERNEL_WRITE_TOKENS else naive
         ops.write_kv(self.keys, self.values, key_states, value_states, self.plan.write_slots)
         # Transformers' documented layout, `(batch, kv_heads, slots, head_dim)`, as a view of the storage: models that
         # work on the keys or values between `update` and attention (DiffLlama splits the value heads) see what
@@ -103,7 +104,7 @@ class VegasCache(Cache):
         capacity (`int`): slots per row: the longest prompt + max_new_tokens + 2 * gamma + 1 (see `hf_vegas.decoding`).
         vegas_config (`VegasConfig`): selection policy and budget.
         device (`torch.device`): where the row bookkeeping lives (the KV buffers follow the model's tensors).
-        backend (`str`, *optional*, defaults to `"torch"`): the resolved attention ops, `"torch"` (reference) or
+        backend (`str`, *optional*, defaults to `"torch"`): the resolved attention ops, `"torch"` (naive) or
             `"triton"` (see `hf_vegas.ops.backend.resolve_backend`).
         reach (`int`, *optional*, defaults to `capacity`): positions the generation can reach; sliding windows at least
             this long are treated as full attention.
@@ -123,7 +124,7 @@ class VegasCache(Cache):
         self.eager_ops = uses_eager_ops(backend, self.device)
         # The ops every forward runs (one signature for all, `hf_vegas.ops.backend`): the kernels, or the plain-PyTorch
         # ops that also run what the kernels do not take (`torch_ops`: forwards too wide for their tiles).
-        self.torch_ops = eager if self.eager_ops else reference
+        self.torch_ops = eager if self.eager_ops else naive
         self.ops = backends.kernels() if self.backend == "triton" else self.torch_ops
         # Positions this generation reaches: a sliding window at least as long is full attention (`layer_types`).
         self.reach = reach if reach is not None else capacity
@@ -254,7 +255,7 @@ class VegasCache(Cache):
 
 def uses_eager_ops(backend: str, device: torch.device) -> bool:
     """Whether the plain-PyTorch ops are `ops.eager` (the CPU path: reads lengths on the host, gathers what a draft
-    reads) rather than `ops.reference` (shape-static, graph-safe)."""
+    reads) rather than `hf_vegas_kernels.naive` (shape-static, graph-safe)."""
     return backend == "torch" and device.type == "cpu"
 
 

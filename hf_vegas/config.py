@@ -70,8 +70,8 @@ class VegasConfig:
             drafts from the same slots). On one device the two are the same. Either is lossless: the selection only
             decides how many drafts are accepted, and every rank accepts the same.
         backend (`str`, *optional*, defaults to `"auto"`):
-            `"torch"` runs the plain-PyTorch reference ops, `"triton"` the Triton kernels, `"auto"` picks Triton on
-            CUDA when it is available and the reference otherwise.
+            `"torch"` runs the plain-PyTorch ops (`hf_vegas_kernels.naive`), `"triton"` the Triton kernels, `"auto"`
+            picks Triton on CUDA when it is available and the plain-PyTorch ops otherwise.
         cuda_graphs (`bool`, *optional*, defaults to `True`):
             Capture the draft, verify and decode forwards as CUDA graphs and replay them (see `hf_vegas.graphs`).
             Only on CUDA; elsewhere, with the `"last_token"` policy, or when a capture fails, the steps run eagerly and

@@ -14,9 +14,11 @@ import statements are rewritten, mechanically (`hf_vegas/ops/backend.py` becomes
 Python never runs. The package's `__init__` is left out: it patches transformers for the short name, which loading a
 Hub folder must not do.
 
-The Triton kernels (`hf_vegas_kernels`) are not copied: every kernel file imports `triton` at its top level, so the
-loader would refuse the whole folder on a machine without Triton. The folder's `vegas_backend="auto"` uses them where
-`hf_vegas_kernels` is importable, and the plain-PyTorch ops elsewhere (the same tokens; slower on CUDA).
+The kernel package's plain-PyTorch ops (`hf_vegas_kernels.naive`, imported as `from hf_vegas_kernels import naive`)
+are copied the same way, as `hf_vegas_kernels_naive.py`. Its Triton kernels are not: every Triton file imports `triton`
+at its top level, so the loader would refuse the whole folder on a machine without Triton. The folder's
+`vegas_backend="auto"` uses them where `hf_vegas_kernels` is importable, and the plain-PyTorch ops elsewhere (the same
+tokens; slower on CUDA).
 """
 
 from __future__ import annotations
@@ -31,9 +33,16 @@ import sys
 import textwrap
 from pathlib import Path
 
+import hf_vegas_kernels
+
 from .config import VegasConfig
 
 SOURCE = Path(__file__).resolve().parent
+# Modules are tuples of names: relative to hf_vegas (`("ops", "backend")`), or in the kernel package, whose modules
+# that need only torch are copied too (`("hf_vegas_kernels", "naive")`).
+KERNELS = "hf_vegas_kernels"
+KERNELS_SOURCE = Path(hf_vegas_kernels.__file__).resolve().parent
+TRITON_FREE_KERNEL_MODULES = ("naive",)
 ENTRY = ("names",)  # `generate_from_name`: the string form's full replacement of `generate`
 # What the folder's code imports at its top level. One comparison per line: transformers' requirements check reads
 # `name<op>version` and would keep only the first bound of `transformers>=5.17,<6`. Same bounds as pyproject.toml.
@@ -73,12 +82,35 @@ def export_hub_folder(directory, overwrite: bool = False) -> Path:
     return directory
 
 
+def _path(module: tuple[str, ...]) -> Path:
+    return KERNELS_SOURCE.joinpath(*module[1:]) if module[:1] == (KERNELS,) else SOURCE.joinpath(*module)
+
+
 def _file(module: tuple[str, ...]) -> Path:
-    return SOURCE.joinpath(*module).with_suffix(".py")
+    return _path(module).with_suffix(".py")
+
+
+def _shown(module: tuple[str, ...]) -> str:
+    """`module`'s path as the export's comments and errors name it: `hf_vegas/ops/backend.py`."""
+    return "/".join(module if module[:1] == (KERNELS,) else ("hf_vegas", *module)) + ".py"
 
 
 def _is_package(module: tuple[str, ...]) -> bool:
-    return (SOURCE.joinpath(*module) / "__init__.py").is_file()
+    return (_path(module) / "__init__.py").is_file()
+
+
+def _kernel_modules(module: tuple[str, ...], node: ast.ImportFrom) -> list[tuple[str, ...]] | None:
+    """The kernel package's modules an absolute `from hf_vegas_kernels import naive` binds; None for any other
+    absolute import. Only modules that need only torch can be copied."""
+    if node.level != 0 or node.module != KERNELS:
+        return None
+    names = [alias.name for alias in node.names]
+    if not set(names) <= set(TRITON_FREE_KERNEL_MODULES):
+        raise ExportError(
+            f"{_shown(module)}: line {node.lineno} imports {names} from {KERNELS} at its top level; only its modules "
+            f"that need no Triton ({list(TRITON_FREE_KERNEL_MODULES)}) can be copied into the folder."
+        )
+    return [(KERNELS, name) for name in names]
 
 
 def _flat(module: tuple[str, ...]) -> str:
@@ -114,8 +146,9 @@ def _parse(module: tuple[str, ...]) -> tuple[str, ast.Module]:
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
         if isinstance(node, ast.ImportFrom) and node.level == 0:
             names = [node.module]
+            _kernel_modules(module, node)  # a kernel module that needs Triton is an error
         if any(name == "hf_vegas" or name.startswith("hf_vegas.") for name in names):
-            raise ExportError(f"{_file(module)}: line {node.lineno} imports hf_vegas by its absolute name.")
+            raise ExportError(f"{_shown(module)}: line {node.lineno} imports hf_vegas by its absolute name.")
     return source, tree
 
 
@@ -131,6 +164,8 @@ def _closure() -> list[tuple[str, ...]]:
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level > 0:
                 pending.extend(_imported(module, node)[0])
+            elif isinstance(node, ast.ImportFrom):
+                pending.extend(_kernel_modules(module, node) or [])
     return sorted(seen)
 
 
@@ -143,9 +178,14 @@ def _rewrite(module: tuple[str, ...]) -> str:
         line_starts.append(line_starts[-1] + len(line))
     edits = []
     for node in ast.walk(tree):
-        if not (isinstance(node, ast.ImportFrom) and node.level > 0):
+        if not isinstance(node, ast.ImportFrom):
             continue
-        targets, submodules = _imported(module, node)
+        if node.level > 0:
+            targets, submodules = _imported(module, node)
+        elif kernel_modules := _kernel_modules(module, node):
+            targets, submodules = kernel_modules, True
+        else:
+            continue
         start = line_starts[node.lineno - 1] + node.col_offset
         end = line_starts[node.end_lineno - 1] + node.end_col_offset
         statement = data[start:end].decode("utf-8")
@@ -164,8 +204,7 @@ def _rewrite(module: tuple[str, ...]) -> str:
     for start, end, new in sorted(edits, reverse=True):
         data = data[:start] + new + data[end:]
     header = (
-        f"# hf_vegas/{_file(module).relative_to(SOURCE).as_posix()}, copied by `{COMMAND}` with its relative imports "
-        "rewritten for this flat folder.\n"
+        f"# {_shown(module)}, copied by `{COMMAND}` with its package imports rewritten for this flat folder.\n"
     )
     return header + data.decode("utf-8")
 
@@ -304,8 +343,9 @@ batch 1, `vegas_gamma=0` (plain decoding over the same static cache and CUDA gra
 
 ## Kernels
 On CUDA, `vegas_backend="auto"` runs the Triton kernels of `hf_vegas_kernels` when that package is importable
-(it comes with the `hf_vegas` package, in its `kernels/` folder). They are not part of this folder, whose loading
-would otherwise require `triton` everywhere; without them the plain-PyTorch ops run: the same tokens, slower.
+(it comes with the `hf_vegas` package, in its `kernels/` folder). Only their plain-PyTorch counterparts
+(`hf_vegas_kernels_naive.py`) are part of this folder, whose loading would otherwise require `triton` everywhere;
+without the kernels those run: the same tokens, slower.
 """
 
 

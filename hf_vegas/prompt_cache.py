@@ -5,11 +5,11 @@ continues after it."""
 from __future__ import annotations
 
 import torch
+from hf_vegas_kernels import naive
 from transformers.cache_utils import Cache, DynamicCache
 
 from ._compat import internals as compat
 from .cache import VegasCache
-from .ops import reference
 
 _NAME = compat.CACHE_KEYWORD  # the keyword the user passed the cache by, in errors
 
@@ -69,6 +69,6 @@ def load(cache: VegasCache, prefix: Cache, left_pad: torch.Tensor) -> None:
         positions = torch.arange(cached - held, cached, device=cache.device)
         slots = positions[None, :] - left_pad[:, None]
         slots = torch.where(slots < 0, cache.capacity, slots)  # pads go to the scratch slot, as in a prefill
-        reference.write_kv(layer.keys, layer.values, source.keys.to(layer.device), source.values.to(layer.device),
+        naive.write_kv(layer.keys, layer.values, source.keys.to(layer.device), source.values.to(layer.device),
                            slots.to(layer.device))
     cache.plan.lengths.copy_((cached - left_pad).clamp_min(0))

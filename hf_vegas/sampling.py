@@ -175,7 +175,7 @@ def choose_draft(scores: torch.Tensor, do_sample: bool, kernels: bool = False) -
     if kernels:
         race = torch.empty_like(scores, dtype=torch.float32).exponential_(1)
         return backend.kernels().race_argmax(scores, race)
-    # Eagerly the softmax form is three launches where `reference.race_argmax`'s logarithm form is five.
+    # Eagerly the softmax form is three launches where `naive.race_argmax`'s logarithm form is five.
     probs = torch.softmax(scores, dim=-1)
     race = torch.empty_like(probs).exponential_(1)
     return (probs / race).argmax(dim=-1)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import reference
+from hf_vegas_kernels import naive
 
 
 class Collect2Query:
@@ -71,7 +71,7 @@ class Streaming:
                            windowed: bool = False) -> torch.Tensor:
         """`windowed`: a sliding window's candidates hold no attention sink (its queries no longer see the first
         slots, and the window's own first slots leave it as the drafts advance), so all are the most recent."""
-        return reference.streaming_select(sel_count, sel_end, k_max, 0 if windowed else self.sink_tokens)
+        return naive.streaming_select(sel_count, sel_end, k_max, 0 if windowed else self.sink_tokens)
 
 
 class Oracle:

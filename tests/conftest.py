@@ -1,25 +1,11 @@
-import os
+"""hf_vegas' fixtures: the real models and the tiny models' short windows. The environment (Triton's interpreter on the
+CPU, threads per xdist worker, the seed) is set by the root `conftest.py`."""
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # No GPU: the Triton kernels run in Triton's CPU interpreter. The switch is read when `hf_vegas_kernels` is
-    # imported (at `triton.jit`), so it is set here, before any test imports it.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# Under pytest-xdist each worker gets its share of the cores: torch's default, one thread per core in every worker,
-# oversubscribes them.
-_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
-
-import hf_vegas  # noqa: F401,E402  (registers the "vegas" attention and short name)
-from hf_vegas.real_models import load_gemma3, load_smollm2  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    torch.manual_seed(0)
+import hf_vegas  # noqa: F401  (registers the "vegas" attention and short name)
+from hf_vegas.real_models import load_gemma3, load_smollm2
 
 
 @pytest.fixture

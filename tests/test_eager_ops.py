@@ -12,7 +12,8 @@ import pytest
 import torch
 from kernel_cases import dense_readable, make_case, poisoned, sparse_readable
 
-from hf_vegas.ops import eager, reference
+from hf_vegas.ops import eager
+from hf_vegas_kernels import naive
 
 SHAPES = [(64, 9, 3), (48, 4, 4), (80, 8, 2)]  # (head_dim, q_heads, kv_heads): GQA 3, MHA, GQA 4; odd head dims
 
@@ -39,7 +40,7 @@ def test_sparse_draft_attention_reads_only_the_selection_and_tail(head_dim, q_he
     case = make_case([37, 90, 61], [3, 9, 1], tokens, head_dim, q_heads, kv_heads, device="cpu")
     readable = sparse_readable(case)
     args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
-    expected = reference.sparse_draft_attention(case.q, case.k, case.v, *args)
+    expected = naive.sparse_draft_attention(case.q, case.k, case.v, *args)
     k, v = (_layout(poisoned(c, readable), heads_first) for c in (case.k, case.v))
     got = eager.sparse_draft_attention(case.q, k, v, *args)
     assert not got.isnan().any()
@@ -54,7 +55,7 @@ def test_one_row_one_query_draft_reads_only_the_selection_and_tail(softcap, head
     case = make_case([97], [5], 1, 64, 9, 3, device="cpu")
     args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling, softcap)
     assert eager._one_query_list(case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end) is not None
-    expected = reference.sparse_draft_attention(case.q, case.k, case.v, *args)
+    expected = naive.sparse_draft_attention(case.q, case.k, case.v, *args)
     k, v = (_layout(poisoned(c, sparse_readable(case)), heads_first) for c in (case.k, case.v))
     got = eager.sparse_draft_attention(case.q, k, v, *args)
     assert not got.isnan().any()
@@ -69,7 +70,7 @@ def test_one_query_list_falls_back_when_its_preconditions_fail():
     past[0, 0] = int(case.sel_end[0])  # a slot of the tail, not a candidate
     assert eager._one_query_list(case.q_slot, case.kv_len, past, case.sel_count, case.sel_end) is None
     assert eager._one_query_list(*args, case.kv_len + 1) is None
-    expected = reference.sparse_draft_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, past,
+    expected = naive.sparse_draft_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, past,
                                                 case.sel_count, case.sel_end, case.scaling)
     got = eager.sparse_draft_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, past, case.sel_count,
                                        case.sel_end, case.scaling)
@@ -83,7 +84,7 @@ def test_long_masked_forward_equals_the_reference(tokens):
     args = (case.q_slot, case.kv_len, case.scaling, None, None)
     k, v = (_layout(_stale(c, case, dense_readable(case)), True) for c in (case.k, case.v))
     torch.testing.assert_close(eager.dense_attention(case.q, k, v, *args),
-                               reference.dense_attention(case.q, case.k, case.v, *args), atol=1e-5, rtol=1e-5)
+                               naive.dense_attention(case.q, case.k, case.v, *args), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("softcap", [None, 30.0])
@@ -94,7 +95,7 @@ def test_dense_attention_reads_only_valid_slots(head_dim, q_heads, kv_heads, tok
     case = make_case([40, 73, 12], [0, 0, 0], tokens, head_dim, q_heads, kv_heads, device="cpu")
     readable = dense_readable(case, window)
     args = (case.q_slot, case.kv_len, case.scaling, window, softcap)
-    expected = reference.dense_attention(case.q, case.k, case.v, *args)
+    expected = naive.dense_attention(case.q, case.k, case.v, *args)
     k, v = (_layout(_stale(c, case, readable), True) for c in (case.k, case.v))
     got = eager.dense_attention(case.q, k, v, *args)
     assert not got.isnan().any()
@@ -106,9 +107,9 @@ def test_one_row_decode_runs_unmasked_and_equals_the_reference():
     """A single decode row sees every valid slot: the eager op passes no mask (vanilla's SDPA call)."""
     case = make_case([300], [0], 1, 64, 9, 3, device="cpu")
     args = (case.q_slot, case.kv_len, case.scaling)
-    assert eager._all_or_mask(reference._visible(case.q_slot, case.kv_len, 300, None)) is None
+    assert eager._all_or_mask(naive.visible_slots(case.q_slot, case.kv_len, 300, None)) is None
     torch.testing.assert_close(eager.dense_attention(case.q, case.k, case.v, *args),
-                               reference.dense_attention(case.q, case.k, case.v, *args), atol=1e-5, rtol=1e-5)
+                               naive.dense_attention(case.q, case.k, case.v, *args), atol=1e-5, rtol=1e-5)
 
 
 def test_value_head_dim_may_differ_from_the_key_head_dim():
@@ -116,7 +117,7 @@ def test_value_head_dim_may_differ_from_the_key_head_dim():
     case = make_case([33, 50], [2, 4], 1, 48, 4, 4, device="cpu")
     v = torch.randn(*case.v.shape[:-1], 32)
     args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
-    expected = reference.sparse_draft_attention(case.q, case.k, v, *args)
+    expected = naive.sparse_draft_attention(case.q, case.k, v, *args)
     torch.testing.assert_close(eager.sparse_draft_attention(case.q, case.k, v, *args), expected,
                                atol=1e-5, rtol=1e-5)
 
@@ -129,7 +130,7 @@ def test_row_scores_equal_the_reference(head_dim, q_heads, kv_heads, score, soft
     rows = torch.tensor([0, 6])
     cand_end = case.kv_len - 6
     args = (case.q_slot[:, rows], case.kv_len, cand_end, case.scaling, score, softcap)
-    expected = reference.row_scores(case.q[:, :, rows], case.k, *args)
+    expected = naive.row_scores(case.q[:, :, rows], case.k, *args)
     k = _layout(_stale(case.k, case, dense_readable(case)), True)
     got = eager.row_scores(case.q[:, :, rows], k, *args)
     assert got.shape == expected.shape
@@ -157,19 +158,19 @@ def test_sinks_in_every_op_match_the_reference(head_dim, q_heads, kv_heads, toke
     case = make_case([37, 90, 61], [3, 9, 1], tokens, head_dim, q_heads, kv_heads, device="cpu")
     sinks = _sinks(q_heads)
     draft_args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
-    expected = reference.sparse_draft_attention(case.q, case.k, case.v, *draft_args, sinks=sinks)
+    expected = naive.sparse_draft_attention(case.q, case.k, case.v, *draft_args, sinks=sinks)
     k, v = (_layout(poisoned(c, sparse_readable(case)), True) for c in (case.k, case.v))
     torch.testing.assert_close(eager.sparse_draft_attention(case.q, k, v, *draft_args, sinks=sinks), expected,
                                atol=1e-5, rtol=1e-5)
     for window in (None, 7):
-        expected = reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling, window,
+        expected = naive.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling, window,
                                              sinks=sinks)
         k, v = (_layout(_stale(c, case, dense_readable(case, window)), True) for c in (case.k, case.v))
         got = eager.dense_attention(case.q, k, v, case.q_slot, case.kv_len, case.scaling, window, sinks=sinks)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     rows = torch.tensor([0, tokens - 1])
     args = (case.q[:, :, rows], case.k, case.q_slot[:, rows], case.kv_len, case.sel_end, case.scaling, "weights")
-    torch.testing.assert_close(eager.row_scores(*args, sinks=sinks), reference.row_scores(*args, sinks=sinks))
+    torch.testing.assert_close(eager.row_scores(*args, sinks=sinks), naive.row_scores(*args, sinks=sinks))
 
 
 def test_reference_sinks_are_gpt_oss_attention():
@@ -181,7 +182,7 @@ def test_reference_sinks_are_gpt_oss_attention():
 
     case = make_case([23, 23], [0, 0], 4, 16, 4, 2, device="cpu")
     sinks = _sinks(4)
-    expected = reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
+    expected = naive.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
                                          sinks=sinks)
     n = 23  # both rows hold 23 slots, the 4 queries are the last ones
     k, v = case.k[:, :n].transpose(1, 2), case.v[:, :n].transpose(1, 2)
@@ -191,8 +192,8 @@ def test_reference_sinks_are_gpt_oss_attention():
     got, _ = eager_attention_forward(module, case.q, k, v, mask.expand(2, 1, 4, n), scaling=case.scaling,
                                      dropout=0.0, s_aux=sinks)
     torch.testing.assert_close(expected, got, atol=1e-5, rtol=1e-5)
-    plain = reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling)
-    far_below = reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
+    plain = naive.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling)
+    far_below = naive.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
                                           sinks=torch.full((4,), -1e4))
     torch.testing.assert_close(far_below, plain)
     assert (expected.norm(dim=-1) < plain.norm(dim=-1) + 1e-6).all(), "a sink only takes weight away"

@@ -399,3 +399,38 @@ def test_custom_position_ids_are_refused_and_standard_ones_accepted(model_and_co
     with pytest.raises(ValueError, match="Custom `position_ids`"):
         model.generate(IDS, **common, position_ids=standard * 3, custom_generate="vegas")
     assert forwards == []
+
+
+WITHOUT_TRITON = r"""
+import sys
+sys.modules["triton"] = None  # any import of Triton fails, as on a machine without it
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import hf_vegas
+from hf_vegas.ops.backend import resolve_backend
+
+assert resolve_backend("auto", torch.device("cuda")) == "torch"
+try:
+    resolve_backend("triton", torch.device("cuda"))
+except ValueError as error:
+    print("refused:", error)
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)).eval()
+ids = torch.randint(1, 64, (1, 40))
+out = model.generate(ids, max_new_tokens=6, do_sample=False, custom_generate="vegas", vegas_gamma=2)
+print("identical:", bool((out == model.generate(ids, max_new_tokens=6, do_sample=False)).all()))
+"""
+
+
+def test_without_triton_the_plain_ops_run_and_asking_for_the_kernels_names_why():
+    """On a machine without Triton hf_vegas imports, `"auto"` runs the plain-PyTorch ops (vanilla's tokens), and
+    `vegas_backend="triton"` is refused with Triton's own import error in the message."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    refusal = "`vegas_backend='triton'` needs Triton and hf_vegas_kernels (ModuleNotFoundError: import of triton"
+    assert refusal in run.stdout
+    assert "identical: True" in run.stdout

@@ -1,94 +1,15 @@
-"""One-launch decode projections: the kernels against the reference ops, and the model swap they need undone."""
+"""One-launch decode projections in the model: the swap they need, undone, and which forwards use them. The kernels'
+own tests: `kernels/tests/test_kernels_linear.py`."""
 
 import pytest
 import torch
 
 from hf_vegas.fused_projections import MAX_ROWS, fused_projections
-from hf_vegas.ops import reference
-from kernel_cases import DEVICE, import_kernels
+from hf_vegas_kernels import naive
+from kernel_cases import DEVICE, assert_fp32_close, import_kernels
 from tiny_models import BUILDERS, tiny_model
 
 kernels = import_kernels()
-
-
-def _assert_fp32_close(got, want):
-    # fp32 products summed in another order: a few ulps of the largest magnitude involved
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
-
-
-@pytest.mark.parametrize("rows", [1, 7, 40, 70])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_grouped_linear_matches_reference(rows, with_bias):
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 96, generator=gen).to(DEVICE)
-    weights = [torch.randn(n, 96, generator=gen).to(DEVICE) for n in (80, 48, 16)]
-    biases = [torch.randn(n, generator=gen).to(DEVICE) for n in (80, 48, 16)] if with_bias else None
-    _assert_fp32_close(kernels.grouped_linear(x, weights, biases), reference.grouped_linear(x, weights, biases))
-    _assert_fp32_close(kernels.qkv_linear(x, *weights, *(biases or [None] * 3)),
-                       reference.grouped_linear(x, weights, biases))
-    _assert_fp32_close(kernels.grouped_linear(x, weights[:1], biases and biases[:1]),
-                       reference.grouped_linear(x, weights[:1], biases and biases[:1]))
-
-
-@pytest.mark.parametrize("setting", [dict(block_m=16, block_n=16, block_k=32, num_warps=2, num_stages=2),
-                                     dict(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4)])
-def test_linear_kernels_under_other_launch_settings(monkeypatch, setting):
-    """Every tuned setting computes the same product: several row tiles, column blocks that narrow to fit a segment
-    (48 and 80 take 16 even where 128 is allowed), a K block longer than K."""
-    from hf_vegas_kernels import _launch, linear
-
-    monkeypatch.setattr(linear, "INTERPRETER_BLOCK_N", 0)  # the settings under test, also in the interpreter
-    for kind in _launch.LINEAR_TUNING:
-        monkeypatch.setitem(_launch.LINEAR_TUNING, kind, setting)
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(50, 96, generator=gen).to(DEVICE)
-    weights = [torch.randn(n, 96, generator=gen).to(DEVICE) for n in (80, 48, 16)]
-    _assert_fp32_close(kernels.grouped_linear(x, weights), reference.grouped_linear(x, weights))
-    gate, up = (torch.randn(128, 96, generator=gen).to(DEVICE) for _ in range(2))
-    _assert_fp32_close(kernels.gated_linear(x, gate, up, "silu"), reference.gated_linear(x, gate, up, "silu"))
-    _assert_fp32_close(kernels.grouped_linear(x, [gate]), reference.grouped_linear(x, [gate]))
-
-
-@pytest.mark.parametrize("rows", [1, 7, 70])
-@pytest.mark.parametrize("size", [48, 40])
-def test_linear_residual_matches_reference(rows, size, monkeypatch):
-    """`residual + x @ w.T` in one launch, from a NaN-poisoned output buffer; an output size no block of 16 divides
-    (40) takes `torch.addmm`. The residual is a view with a row stride of its own, and stays untouched."""
-    from hf_vegas_kernels import _launch
-
-    monkeypatch.setattr(_launch, "empty", lambda *shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                                  device=device))
-    gen = torch.Generator().manual_seed(rows + size)
-    x = torch.randn(rows, 96, generator=gen).to(DEVICE)
-    weight = torch.randn(size, 96, generator=gen).to(DEVICE) / 8
-    residual = torch.randn(rows, size + 8, generator=gen).to(DEVICE)[:, :size]
-    before = residual.clone()
-    want = reference.linear_residual(x, weight, residual)
-    assert not torch.allclose(want, reference.grouped_linear(x, [weight])), "the residual must count"
-    _assert_fp32_close(kernels.linear_residual(x, weight, residual), want)
-    _assert_fp32_close(kernels.linear_residual_op(x, weight, residual), want)
-    assert torch.equal(residual, before)
-    with pytest.raises(ValueError, match="residual must be"):
-        kernels.linear_residual(x, weight, residual[:, :8])
-
-
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_gated_linear_matches_reference(act):
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 5, 96, generator=gen).to(DEVICE)
-    w_gate, w_up = (torch.randn(48, 96, generator=gen).to(DEVICE) / 8 for _ in range(2))
-    want = reference.gated_linear(x, w_gate, w_up, act)
-    other = reference.gated_linear(x, w_gate, w_up, "silu" if act == "gelu_tanh" else "gelu_tanh")
-    assert not torch.allclose(want, other), "the two activations must differ for this test to tell them apart"
-    _assert_fp32_close(kernels.gated_linear_op(x, w_gate, w_up, act), want)
-
-
-def test_linear_kernels_refuse_shapes_they_cannot_split():
-    x = torch.randn(3, 32, device=DEVICE)
-    with pytest.raises(ValueError, match="share a block of 16"):
-        kernels.grouped_linear(x, [torch.randn(24, 32, device=DEVICE)])
-    with pytest.raises(ValueError, match="act must be one of"):
-        kernels.gated_linear(x, torch.randn(16, 32, device=DEVICE), torch.randn(16, 32, device=DEVICE), "relu")
 
 
 @pytest.mark.parametrize("arch", list(BUILDERS))
@@ -104,14 +25,14 @@ def test_fused_forward_matches_and_the_model_is_restored(arch):
     # projections.
     fusable = {"phi3": {"attention": 0, "mlp": 0}, "deepseek_v3": {"attention": 0, "mlp": layers}}
     assert counts == fusable.get(arch, {"attention": layers, "mlp": layers})
-    _assert_fp32_close(got, expected)
+    assert_fp32_close(got, expected)
     assert not any("forward" in vars(m) for m in model.modules()), "every instance forward must be removed"
 
 
 def test_prefill_sized_forwards_keep_the_plain_projections(monkeypatch):
     model = tiny_model("llama").to(DEVICE)
     calls = []
-    monkeypatch.setattr(kernels, "qkv_linear", lambda *args: calls.append("qkv") or reference.grouped_linear(
+    monkeypatch.setattr(kernels, "qkv_linear", lambda *args: calls.append("qkv") or naive.grouped_linear(
         args[0], args[1:4], None))
     ids = torch.randint(1, 128, (1, MAX_ROWS + 1)).to(DEVICE)
     with torch.no_grad(), fused_projections(model):
@@ -146,7 +67,7 @@ def test_layers_with_large_weights_use_the_kernels_only_for_the_fewest_rows(monk
 
     model = tiny_model("llama").to(DEVICE)
     calls = []
-    monkeypatch.setattr(kernels, "qkv_linear", lambda *args: calls.append("qkv") or reference.grouped_linear(
+    monkeypatch.setattr(kernels, "qkv_linear", lambda *args: calls.append("qkv") or naive.grouped_linear(
         args[0], args[1:4], None))
     monkeypatch.setattr(kernels, "gated_linear_op", lambda x, gate, up, act: calls.append("mlp") or (
         torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())))
@@ -161,7 +82,7 @@ def test_layers_with_large_weights_use_the_kernels_only_for_the_fewest_rows(monk
             want = model(ids).logits  # `more` rows: only small weights take the kernels
             model(ids[:, :few])
         assert calls == expected, f"MAX_WEIGHT_BYTES={limit}"
-        _assert_fp32_close(want, model(ids).logits)
+        assert_fp32_close(want, model(ids).logits)
 
 
 def test_only_draft_steps_use_the_fused_kernels(monkeypatch):
@@ -187,7 +108,7 @@ def test_only_draft_steps_use_the_fused_kernels(monkeypatch):
 def test_inputs_the_kernels_cannot_take_run_the_plain_projections(monkeypatch):
     model = tiny_model("llama").to(DEVICE)
     calls = []
-    monkeypatch.setattr(kernels, "qkv_linear", lambda *args: calls.append(1) or reference.grouped_linear(
+    monkeypatch.setattr(kernels, "qkv_linear", lambda *args: calls.append(1) or naive.grouped_linear(
         args[0], args[1:4], None))
     ids = torch.randint(1, 128, (1, 4)).to(DEVICE)
     with torch.no_grad():
@@ -205,21 +126,3 @@ def test_inputs_the_kernels_cannot_take_run_the_plain_projections(monkeypatch):
     layer.q_proj.weight = torch.nn.Parameter(layer.q_proj.weight.detach().t().contiguous().t())
     with fused_projections(transposed) as counts:
         assert counts["attention"] == transposed.config.num_hidden_layers - 1, "strided weights are left alone"
-
-
-@pytest.mark.parametrize("element_bytes", [2, 4])
-@pytest.mark.parametrize("kind", ["qkv", "gated"])
-def test_launch_settings_fit_in_shared_memory(kind, element_bytes):
-    """fp32 inputs, and the gated kernel's two tiles, take fewer pipeline stages rather than failing to launch on a
-    GPU (the tuned bf16 setting would need more shared memory than a block has)."""
-    from hf_vegas_kernels import _launch, linear
-
-    setting = linear._setting(kind, 64, [1536], element_bytes)
-    tile = (setting["block_m"] + setting["block_n"]) * setting["block_k"] * element_bytes
-    used = setting["num_stages"] * tile * (2 if kind == "gated" else 1)
-    assert used <= _launch.LINEAR_SHARED_BYTES and setting["num_stages"] >= 1
-    tuned = _launch.LINEAR_TUNING[kind]
-    if element_bytes == 2 and kind == "qkv":
-        assert setting == {**tuned, "block_n": 16}, "bf16 q/k/v fit as tuned"
-    if element_bytes == 4 and kind == "gated":
-        assert setting["num_stages"] < tuned["num_stages"]

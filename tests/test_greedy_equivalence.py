@@ -16,14 +16,14 @@ SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=8)
 SHAPES = {"batch1": [80], "ragged3": [80, 61, 37]}
 
 
-@pytest.mark.parametrize("ops", ["eager", "reference"])
+@pytest.mark.parametrize("ops", ["eager", "naive"])
 @pytest.mark.parametrize("gamma", [1, 4, 8])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("arch", list(BUILDERS))
 def test_greedy_matches_vanilla(arch, shape, gamma, ops, monkeypatch):
     """On the CPU the cache runs the eager ops (the CPU path); the reference ops, which the kernels and the GPU's
     "torch" backend follow, are run here end to end too."""
-    if ops == "reference":
+    if ops == "naive":
         monkeypatch.setattr(hf_vegas.cache, "uses_eager_ops", lambda backend, device: False)
     model = tiny_model(arch)
     ids, mask = ragged_batch(SHAPES[shape])
@@ -85,10 +85,10 @@ def test_every_policy_and_score_is_lossless(policy, score):
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("ops", ["reference", "eager"])
+@pytest.mark.parametrize("ops", ["naive", "eager"])
 def test_a_boosted_budget_is_lossless_and_grows_the_rejecting_rows_budget(ops, monkeypatch):
     """`budget_boost`: rows whose drafts were rejected draft from more slots; the tokens stay vanilla's."""
-    if ops == "reference":
+    if ops == "naive":
         monkeypatch.setattr(hf_vegas.cache, "uses_eager_ops", lambda backend, device: False)
     model = tiny_model("llama", seed=1)
     ids, mask = ragged_batch([70, 44], seed=1)

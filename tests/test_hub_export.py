@@ -1,6 +1,7 @@
 """`python -m hf_vegas.hub export DIR`: the Hub folder runs where hf_vegas cannot be imported, transformers' loader
 finds every file of it, and its README and requirements say what the code does."""
 
+import ast
 import dataclasses
 import importlib.metadata
 import json
@@ -88,7 +89,7 @@ def test_the_loader_fetches_every_file_and_needs_only_the_requirements(tmp_path)
     library, as the loader refuses the folder otherwise."""
     code = hub.export_hub_folder(tmp_path / "vegas") / "custom_generate"
     shipped = {p.name for p in code.glob("*.py")} - {"generate.py"}
-    assert {"names.py", "decoding.py", "ops_backend.py", "ops_reference.py"} <= shipped
+    assert {"names.py", "decoding.py", "ops_backend.py", "hf_vegas_kernels_naive.py"} <= shipped
     assert not {"__init__.py", "hub.py", "real_models.py", "assisted.py", "_compat_patches.py"} & shipped, (
         "only what generate needs (never the patches of transformers)")
     assert "_compat_internals.py" in shipped
@@ -132,3 +133,17 @@ def test_command_line_export_refuses_to_overwrite_unless_forced(tmp_path, capsys
     assert hub.main(["export", str(target), "--force"]) == 0
     assert not stale.exists(), "a forced export replaces custom_generate/ whole"
     assert (target / "custom_generate" / "generate.py").is_file() and (target / "README.md").is_file()
+
+
+def test_the_kernel_package_s_naive_ops_are_copied_and_its_triton_modules_refused(tmp_path):
+    """hf_vegas imports the plain-PyTorch ops from the kernel package (`from hf_vegas_kernels import naive`): the
+    folder holds a copy bound under the same name; a top-level import of a Triton module cannot be exported."""
+    code = hub.export_hub_folder(tmp_path / "vegas") / "custom_generate"
+    cache = (code / "cache.py").read_text()
+    assert "from . import hf_vegas_kernels_naive as naive" in cache and "hf_vegas_kernels import" not in cache
+    naive = (code / "hf_vegas_kernels_naive.py").read_text()
+    assert naive.startswith("# hf_vegas_kernels/naive.py, copied by")
+    assert naive.split("\n", 1)[1] == (hub.KERNELS_SOURCE / "naive.py").read_text(), "copied unchanged"
+    statement = ast.parse("from hf_vegas_kernels import naive, ops").body[0]
+    with pytest.raises(hub.ExportError, match=r"\['naive', 'ops'\] from hf_vegas_kernels.*\['naive'\]"):
+        hub._kernel_modules(("cache",), statement)

@@ -1,4 +1,4 @@
-"""One contract per op: the reference ops (`hf_vegas.ops.reference`), the CPU path (`ops.eager`) and the Triton kernels
+"""One contract per op: the naive ops (`hf_vegas_kernels.naive`), the CPU path (`ops.eager`) and the Triton kernels
 (`hf_vegas_kernels`) take the same arguments and give the same results, so `hf_vegas.attention` runs whichever a
 cache holds without branching on it. The kernels are `torch.library` custom ops whose fakes and declared mutations
 `torch.library.opcheck` checks.
@@ -14,7 +14,8 @@ import pytest
 import torch
 from kernel_cases import DEVICE, dense_readable, import_kernels, make_case, poisoned, sparse_readable
 
-from hf_vegas.ops import eager, reference
+from hf_vegas.ops import eager
+from hf_vegas_kernels import naive
 
 kernels = import_kernels()
 from hf_vegas_kernels import _launch  # noqa: E402
@@ -33,7 +34,7 @@ def nan_scratch(monkeypatch):
 def _caches_for(ops, case, readable):
     """What `ops` gets: the reference the clean caches; the kernels NaN wherever they must not read; the CPU path
     NaN past the longest row (it reads `[0, max(kv_len))` and masks), large junk where it must mask."""
-    if ops is reference:
+    if ops is naive:
         return case.k, case.v
     if ops is kernels:
         return poisoned(case.k, readable), poisoned(case.v, readable)
@@ -54,7 +55,7 @@ def _parameters(function) -> list[tuple[str, object]]:
 
 @pytest.mark.parametrize("name", OPS)
 def test_every_implementation_has_one_signature(name):
-    expected = _parameters(getattr(reference, name))
+    expected = _parameters(getattr(naive, name))
     assert _parameters(getattr(eager, name)) == expected
     assert _parameters(getattr(kernels, name)) == expected
 
@@ -70,12 +71,12 @@ def test_verify_and_finalize_equal_row_scores_in_every_implementation(head_dim, 
     rows = torch.tensor([0, tokens - 1], device=DEVICE)
     sink = torch.randn(q_heads, device=DEVICE) if sinks else None
     cand_start = (case.sel_end - window + 1).clamp_min(0) if window else torch.zeros_like(case.sel_end)
-    expected = reference.row_scores(case.q[:, :, rows], case.k, case.q_slot[:, rows], case.kv_len, case.sel_end,
+    expected = naive.row_scores(case.q[:, :, rows], case.k, case.q_slot[:, rows], case.kv_len, case.sel_end,
                                     case.scaling, score, softcap, sinks=sink, window=window, cand_start=cand_start)
-    expected_out = reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling, window,
+    expected_out = naive.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling, window,
                                              softcap, sink)
     readable = dense_readable(case, window)
-    for ops in (reference, eager, kernels):
+    for ops in (naive, eager, kernels):
         keys, values = _caches_for(ops, case, readable)
         out, emitted, lse = ops.verify_attention(case.q, keys, values, case.q_slot, case.kv_len, case.scaling, rows,
                                                  score, softcap, sink, window)
@@ -98,7 +99,7 @@ def test_select_topk_equals_the_reference_ties_and_budgets_per_layer(ops_name):
     layers = torch.tensor([0, 2, 3], device=DEVICE)
     want = torch.full((4, 3, 210), -7, dtype=torch.long, device=DEVICE)
     got = want.clone()
-    reference.select_topk(scores, count, cand_end, want, layers=layers)
+    naive.select_topk(scores, count, cand_end, want, layers=layers)
     ops.select_topk(scores, count, cand_end, got, layers=layers)
     assert torch.equal(got, want)
     assert (want[1] == -7).all(), "a layer not asked for is left alone"
@@ -115,13 +116,13 @@ def test_a_finished_row_reads_nothing_and_outputs_zeros(op):
     readable[1] = False
     sparse = (case.sel_idx, case.sel_count, case.sel_end) if op == "sparse_draft_attention" else ()
     extra = (torch.tensor([0, 3], device=DEVICE), "weights") if op == "verify_attention" else ()
-    for ops in (reference, eager, kernels):
+    for ops in (naive, eager, kernels):
         keys, values = _caches_for(ops, case, readable)
         out = getattr(ops, op)(case.q, keys, values, case.q_slot, finished, *sparse, case.scaling, *extra)
         out = out[0] if isinstance(out, tuple) else out
         assert not out.isnan().any(), ops.__name__
         assert (out[1] == 0).all(), ops.__name__
-        full = getattr(reference, op)(case.q, case.k, case.v, case.q_slot, case.kv_len, *sparse, case.scaling, *extra)
+        full = getattr(naive, op)(case.q, case.k, case.v, case.q_slot, case.kv_len, *sparse, case.scaling, *extra)
         full = full[0] if isinstance(full, tuple) else full
         torch.testing.assert_close(out[[0, 2]], full[[0, 2]], atol=2e-5, rtol=2e-5)
 

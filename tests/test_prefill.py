@@ -4,7 +4,8 @@ tokens the rows already hold; a chunked prefill (`prefill_chunk_size`) equals on
 import pytest
 import torch
 
-from hf_vegas.ops import prefill, reference
+from hf_vegas.ops import prefill
+from hf_vegas_kernels import naive
 
 
 @pytest.mark.parametrize("window", [None, 7, 100])
@@ -21,7 +22,7 @@ def test_causal_per_row_matches_masked_reference(window):
     lengths = tokens - pads
     k[torch.arange(slots)[None, :] >= lengths[:, None]] = float("nan")  # nothing past a row's tokens may be read
     got = prefill.causal_per_row(q, k, v, left_pad, 0.25, window)
-    expected = reference.dense_attention(q, k.nan_to_num(), v.nan_to_num(), q_slot, lengths, 0.25, window)
+    expected = naive.dense_attention(q, k.nan_to_num(), v.nan_to_num(), q_slot, lengths, 0.25, window)
     real = offsets >= pads[:, None]
     torch.testing.assert_close(got[real], expected[real])
     assert (got[~real] == 0).all()
@@ -43,7 +44,7 @@ def test_causal_per_row_after_cached_tokens_matches_masked_reference(window):
     lengths = first + tokens - pads
     k[torch.arange(slots)[None, :] >= lengths[:, None]] = float("nan")  # nothing past a row's tokens may be read
     got = prefill.causal_per_row(q, k, v, left_pad, 0.25, window, start)
-    expected = reference.dense_attention(q, k.nan_to_num(), v.nan_to_num(), q_slot, lengths, 0.25, window)
+    expected = naive.dense_attention(q, k.nan_to_num(), v.nan_to_num(), q_slot, lengths, 0.25, window)
     real = offsets >= pads[:, None]
     torch.testing.assert_close(got[real], expected[real])
     assert (got[~real] == 0).all()

@@ -12,7 +12,8 @@ from hf_vegas import VegasConfig
 from hf_vegas.attention import active_cache, vegas_attention_forward
 from hf_vegas.cache import VegasCache
 from hf_vegas.selection_state import SelectionState, budget_tensor
-from hf_vegas.ops import eager, reference
+from hf_vegas.ops import eager
+from hf_vegas_kernels import naive
 from tiny_models import tiny_model
 
 
@@ -154,13 +155,13 @@ def test_draft_mask_is_selection_plus_tail():
     sel_end = torch.tensor([8, 9])
     kv_len = torch.tensor([11, 10])
     q_slot = (kv_len - 1)[:, None]
-    visible = reference.draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, num_slots=12)[:, 0]
+    visible = naive.draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, num_slots=12)[:, 0]
     assert torch.nonzero(visible[0]).flatten().tolist() == [1, 3, 5, 8, 9, 10]
     assert torch.nonzero(visible[1]).flatten().tolist() == [2, 7, 9]
 
 
 def test_streaming_selection_is_sinks_plus_recent():
-    idx = reference.streaming_select(torch.tensor([6, 3]), torch.tensor([20, 3]), k_max=7, sink=4)
+    idx = naive.streaming_select(torch.tensor([6, 3]), torch.tensor([20, 3]), k_max=7, sink=4)
     assert idx[0, :6].tolist() == [0, 1, 2, 3, 18, 19]
     assert sorted(idx[1, :3].tolist()) == [0, 1, 2]
 
@@ -174,7 +175,7 @@ def test_sparse_attention_equals_dense_attention_over_the_gathered_slots():
     sel_idx = torch.tensor([[3, 11, 4, 0, 0], [7, 1, 2, 9, 13]])
     sel_count, sel_end, kv_len = torch.tensor([3, 5]), torch.tensor([15, 20]), torch.tensor([19, 24])
     q_slot = (kv_len - 1)[:, None]
-    out = reference.sparse_draft_attention(q, k, v, q_slot, kv_len, sel_idx, sel_count, sel_end, dim**-0.5)
+    out = naive.sparse_draft_attention(q, k, v, q_slot, kv_len, sel_idx, sel_count, sel_end, dim**-0.5)
     for b in range(batch):
         keep = sorted(set(sel_idx[b, : sel_count[b]].tolist()) | set(range(int(sel_end[b]), int(kv_len[b]))))
         kb = k[b, keep].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # (H, n, D)
@@ -220,8 +221,8 @@ def test_selections_never_rank_the_scratch_slot(policy, monkeypatch):
             return original(scores, *args, **kwargs)
         return select_topk
 
-    for module in (reference, eager):
-        monkeypatch.setattr(module, "select_topk", spy(reference.select_topk))
+    for module in (naive, eager):
+        monkeypatch.setattr(module, "select_topk", spy(naive.select_topk))
     capacities = []
     state_init = SelectionState.__init__
 

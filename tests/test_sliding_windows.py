@@ -13,7 +13,8 @@ from hf_vegas.selection_state import budget_tensor
 from hf_vegas.traffic import dense_step_bytes, vegas_iteration_bytes, weight_bytes
 from tiny_models import COMMON, ragged_batch, tiny_model
 
-# Tiny windows draft sparsely here: `SHORT_WINDOW` is lowered (tests/conftest.py), except where a test says otherwise.
+# Tiny windows draft sparsely here: `SHORT_WINDOW` is lowered (`short_windows_draft` in tests/conftest.py), except
+# where a test says otherwise.
 pytestmark = pytest.mark.usefixtures("short_windows_draft")
 
 SPARSE = dict(vegas_sparsity=0.1, vegas_min_tokens=8)
@@ -49,11 +50,11 @@ def test_which_layers_draft_sparsely(monkeypatch):
     assert sparse_layers(_text(layer_types=types, sliding_window=512), config, reach=10_000) == {1: None}
 
 
-@pytest.mark.parametrize("ops", ["eager", "reference"])
+@pytest.mark.parametrize("ops", ["eager", "naive"])
 @pytest.mark.parametrize("gamma", [1, 4])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_windowed_model_greedy_matches_vanilla(shape, gamma, ops, monkeypatch):
-    if ops == "reference":
+    if ops == "naive":
         monkeypatch.setattr(hf_vegas.cache, "uses_eager_ops", lambda backend, device: False)
     model = tiny_model("mistral_short_window")
     ids, mask = ragged_batch(SHAPES[shape])
@@ -190,13 +191,14 @@ def test_phi3_and_starcoder2_past_their_window_draft_inside_it(arch, monkeypatch
 
 
 def test_the_cpu_draft_list_keeps_the_window_s_first_slot():
-    """The CPU path's one-query list (no mask) is the reference's visible set, the window's first slot included; a
+    """The CPU path's one-query list (no mask) is the naive visible set, the window's first slot included; a
     selected slot the window has left sends it to the general (masked) path."""
-    from hf_vegas.ops import eager, reference
+    from hf_vegas.ops import eager
+    from hf_vegas_kernels import naive
 
     q_slot, kv_len, count, end = torch.tensor([[19]]), torch.tensor([20]), torch.tensor([2]), torch.tensor([16])
     chosen = torch.tensor([[12, 14, 0]])  # window 8: the query at 19 sees slots 12..19
-    visible = reference.draft_visible(q_slot, kv_len, chosen, count, end, 20, window=8)[0, 0]
+    visible = naive.draft_visible(q_slot, kv_len, chosen, count, end, 20, window=8)[0, 0]
     assert visible.nonzero().flatten().tolist() == [12, 14, 16, 17, 18, 19]
     assert eager._one_query_list(q_slot, kv_len, chosen, count, end, window=8).tolist() == [[12, 14, 16, 17, 18, 19]]
     assert eager._one_query_list(q_slot, kv_len, torch.tensor([[11, 14, 0]]), count, end, window=8) is None

@@ -1,5 +1,3 @@
-"""Attention and selection ops. `reference` is the plain-PyTorch definition of their semantics."""
-
-from . import reference
-
-__all__ = ["reference"]
+"""Where hf_vegas runs its ops: `backend` picks the Triton kernels (`hf_vegas_kernels`) or the plain-PyTorch ones;
+`eager` is the CPU path, `prefill` the per-row causal attention of a padded prompt. The ops' contract and its
+plain-PyTorch definition live beside the kernels, in `hf_vegas_kernels.naive`."""

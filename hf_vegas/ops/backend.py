@@ -1,6 +1,7 @@
-"""Which ops run the attention: the plain-PyTorch reference, the CPU path, or the Triton kernels (`hf_vegas_kernels`).
+"""Which ops run the attention: the plain-PyTorch ops (`hf_vegas_kernels.naive`), the CPU path (`eager`), or the Triton
+kernels (`hf_vegas_kernels`).
 
-All three are modules with the same ops under the same signatures (`reference` defines them): `dense_attention`,
+All three are modules with the same ops under the same signatures (`naive` defines them): `dense_attention`,
 `sparse_draft_attention`, `verify_attention` (dense attention that emits the scored rows' logits),
 `finalize_scores` (emitted logits to Collect-2-Query scores), `select_topk` and `write_kv`. Callers pick a module
 once (`hf_vegas.cache.VegasCache.ops`) and never branch on which it is.
@@ -19,9 +20,12 @@ from ..config import BACKENDS
 
 @functools.cache
 def _kernels_or_reason():
-    """`(module, None)` when the Triton kernels import, else `(None, why)`."""
+    """`(module, None)` when the Triton kernels import, else `(None, why)`. The package itself needs only torch; its
+    Triton ops load on first use, so all of them are loaded here, once."""
     try:
-        return importlib.import_module("hf_vegas_kernels"), None
+        module = importlib.import_module("hf_vegas_kernels")
+        module.load_triton_ops()
+        return module, None
     except Exception as error:  # noqa: BLE001  (no Triton on this platform, or an install that fails to import)
         return None, f"{type(error).__name__}: {error}"
 
@@ -34,7 +38,7 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype | N
     """`"torch"` or `"triton"` for a model on `device` in `dtype`; raises before any forward if `"triton"` cannot run
     there.
 
-    `"auto"` picks the kernels on CUDA when Triton imports, the reference everywhere else. On the CPU the kernels
+    `"auto"` picks the kernels on CUDA when Triton imports, the plain-PyTorch ops elsewhere. On the CPU the kernels
     run only in Triton's interpreter (`TRITON_INTERPRET=1`, set before the first import), which is for tests, in fp32
     or fp16: its bf16 products are wrong (a 16x16 bf16 `tl.dot` was off by 2e10 under Triton 3.9).
     """

@@ -1,6 +1,6 @@
-r"""The CPU path: the reference ops' semantics, reading only the slots a step needs.
+r"""The CPU path: the naive ops' semantics, reading only the slots a step needs.
 
-The reference ops (`reference.py`) attend over the whole preallocated buffer through a `(B, T, S)` mask. That keeps
+The naive ops (`hf_vegas_kernels`) attend over the whole preallocated buffer through a `(B, T, S)` mask. That keeps
 every shape static, which CUDA graphs need, but a "sparse" draft then reads every slot and a decode step reads the
 buffer's capacity. On the CPU nothing is captured and a row's length is already on the host, so these ops, with the
 same signatures and results:
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from hf_vegas_kernels import naive
 
 # Forwards of at most this many tokens run grouped query heads (see `_attend`): decode, draft and verify steps.
 GROUPED_MAX_TOKENS = 64
@@ -59,7 +59,7 @@ def _attend(q, k, v, visible, scaling: float, softcap: float | None, sinks=None)
         logits = _grouped_logits(q, k, scaling, softcap)  # (B, Hq, T, N)
         if visible is not None:  # every query head of a token sees what the token sees
             logits = logits.masked_fill(~visible[:, None], float("-inf"))
-        probs = reference.softmax_with_sinks(logits, sinks).reshape(batch, kv_heads, groups * tokens, -1)
+        probs = naive.softmax_with_sinks(logits, sinks).reshape(batch, kv_heads, groups * tokens, -1)
         out = torch.matmul(probs, v.float()).to(q.dtype)
     # Contiguous, as transformers' own attention functions return it: some models `view` it (AFMoE).
     return out.reshape(batch, q_heads, tokens, -1).transpose(1, 2).contiguous()
@@ -82,34 +82,34 @@ def _all_or_mask(visible: torch.Tensor) -> torch.Tensor | None:
 
 def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling: float, window=None, softcap=None, sinks=None,
                     list_len=None):
-    """`reference.dense_attention` over slots `[0, max(kv_len))` only (a shorter row's slots past its length, and
+    """`naive.dense_attention` over slots `[0, max(kv_len))` only (a shorter row's slots past its length, and
     those a window leaves, are read and masked out)."""
-    alive, kv_len = reference._finished_rows(kv_len, q_slot)
+    alive, kv_len = naive.finished_rows(kv_len, q_slot)
     n = int(kv_len.max())
-    visible = _all_or_mask(reference._visible(q_slot, kv_len, n, window))
+    visible = _all_or_mask(naive.visible_slots(q_slot, kv_len, n, window))
     out = _attend(q, _heads_first(k_cache, n), _heads_first(v_cache, n), visible, scaling, softcap, sinks)
     return _zero_finished(out, alive)
 
 
 def _zero_finished(out: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
-    return out if bool(alive.all()) else reference._zero_finished(out, alive).contiguous()
+    return out if bool(alive.all()) else naive.zero_finished(out, alive).contiguous()
 
 
 def verify_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, score_rows, score: str, softcap=None, sinks=None,
                      window=None, list_len=None):
-    """`reference.verify_attention` over slots `[0, max(kv_len))`; `emitted` is zero past them."""
+    """`naive.verify_attention` over slots `[0, max(kv_len))`; `emitted` is zero past them."""
     out = dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling, window, softcap, sinks)
-    num_slots, n = k_cache.shape[1], int(reference._finished_rows(kv_len, q_slot)[1].max())
+    num_slots, n = k_cache.shape[1], int(naive.finished_rows(kv_len, q_slot)[1].max())
     row_logits = _grouped_logits(q[:, :, score_rows], _heads_first(k_cache, n), scaling, softcap)
-    emitted, lse = reference.emit_scores(row_logits, q_slot, kv_len, score_rows, score, softcap, sinks, window,
+    emitted, lse = naive.emit_scores(row_logits, q_slot, kv_len, score_rows, score, softcap, sinks, window,
                                          k_cache.shape[2])
     return out, torch.nn.functional.pad(emitted, (0, num_slots - n)), lse
 
 
 def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None,
                            sinks=None, window=None, list_len=None, split_len=None):
-    """`reference.sparse_draft_attention`, reading only the selected slots and the tail, gathered per row."""
-    alive, kv_len = reference._finished_rows(kv_len, q_slot)
+    """`naive.sparse_draft_attention`, reading only the selected slots and the tail, gathered per row."""
+    alive, kv_len = naive.finished_rows(kv_len, q_slot)
     if q.shape[0] == 1 and q.shape[2] == 1:
         slots = _one_query_list(q_slot, kv_len, sel_idx, sel_count, sel_end, window)
         if slots is not None:
@@ -117,7 +117,7 @@ def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_cou
             k, v = _gather_slots(k_cache, slots, n), _gather_slots(v_cache, slots, n)
             return _zero_finished(_attend(q, k, v, None, scaling, softcap, sinks), alive)
     n = int(kv_len.max())
-    visible = reference.draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, n, window)  # (B, T, n)
+    visible = naive.draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, n, window)  # (B, T, n)
     batch, tokens, _ = visible.shape
     seen = visible.any(dim=1)  # (B, n): the slots some query of the row attends to
     counts = seen.sum(dim=1)
@@ -143,7 +143,7 @@ def _one_query_list(q_slot, kv_len, sel_idx, sel_count, sel_end, window=None) ->
     """The usual CPU draft (one row, one query at the row's last slot) without a mask: its selection, then its tail.
 
     Every policy selects distinct candidates (top-k, or StreamingLLM's sinks and recent slots), so with the selected
-    slots below `sel_end <= kv_len` (and inside the query's `window`, if any) the list is the reference's visible set.
+    slots below `sel_end <= kv_len` (and inside the query's `window`, if any) the list is the naive visible set.
     None when the query is elsewhere, `sel_end > kv_len` or a selected slot is not a candidate or outside the window:
     the general path decides.
     """
@@ -173,20 +173,20 @@ def _gather_slots(cache: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Ten
 
 def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: str, softcap=None, sinks=None,
                window=None, cand_start=None):
-    """`reference.row_scores` over the valid slots: `(B, R, S)`, `-inf` outside the candidates."""
+    """`naive.row_scores` over the valid slots: `(B, R, S)`, `-inf` outside the candidates."""
     if score not in ("logits", "weights"):
         raise ValueError(f"score must be 'logits' or 'weights', got {score!r}")
     num_slots = k_cache.shape[1]
     n = int(kv_len.max())
     logits = _grouped_logits(q_rows, _heads_first(k_cache, n), scaling, softcap)  # (B, Hq, R, n)
-    visible = reference._visible(q_slot_rows, kv_len, n, window)[:, None]
+    visible = naive.visible_slots(q_slot_rows, kv_len, n, window)[:, None]
     if score == "weights":
-        values = reference.softmax_with_sinks(logits.masked_fill(~visible, float("-inf")), sinks)
+        values = naive.softmax_with_sinks(logits.masked_fill(~visible, float("-inf")), sinks)
     else:
         values = logits.masked_fill(~visible, 0.0)
-    mean = values.mean(dim=1).masked_fill(~reference.candidate_slots(cand_start, cand_end, n)[:, None], float("-inf"))
+    mean = values.mean(dim=1).masked_fill(~naive.candidate_slots(cand_start, cand_end, n)[:, None], float("-inf"))
     return torch.nn.functional.pad(mean, (0, num_slots - n), value=float("-inf"))
 
 
-# The rest of the contract reads only what it is given: the reference's ops are the CPU path's.
-finalize_scores, select_topk, write_kv = reference.finalize_scores, reference.select_topk, reference.write_kv
+# The rest of the contract reads only what it is given: the naive ops are the CPU path's.
+finalize_scores, select_topk, write_kv = naive.finalize_scores, naive.select_topk, naive.write_kv

@@ -4,7 +4,7 @@ A prefill writes each row's real tokens into slots `[start, start + n)` after th
 holds (0 for a fresh prompt; a user's prefix cache, or the chunks before this one of a chunked prefill), after
 `left_pad` pad queries. Into an empty cache, row `b`'s real queries and its keys are a square causal problem, which
 SDPA solves with `is_causal=True` and its fastest kernels. After `start` cached tokens (or inside a sliding window)
-the row gets its own `(n, start + n)` boolean mask, one row at a time: the reference `dense_attention` builds a mask
+the row gets its own `(n, start + n)` boolean mask, one row at a time: the naive `dense_attention` builds a mask
 and logits of `B * T * S` elements instead, which at batch 64 x 8K prompts is gigabytes. Same semantics: pad
 queries, whose outputs nothing reads, get zeros.
 """

@@ -1,18 +1,49 @@
-"""hf_vegas_kernels: the Triton kernels of hf_vegas (sparse draft attention, verification attention with fused
-Collect-2-Query logits, top-k selection, top-p filtering, the cache write, one-launch decode projections, RMSNorm,
-and for fused draft layers the q/k/v projection with its rotary embedding and cache write, and the output projections
-with their residual). Each one reproduces an op of `hf_vegas.ops.reference`, with its signature; the ops a model
-forward calls are `torch.library` custom ops (`ops.py`), which `torch.compile` traces through.
+"""hf_vegas_kernels: the ops of hf_vegas, each in plain PyTorch (`naive`, the contract) and in Triton beside it (sparse
+draft attention, verification attention with fused Collect-2-Query logits, top-k selection, top-p filtering, the
+draft token's race, the cache write, one-launch decode projections, RMSNorm, and for fused draft layers the q/k/v
+projection with its rotary embedding and cache write, and the output projections with their residual). Each Triton op
+takes its naive op's signature; those a model forward calls are `torch.library` custom ops (`ops.py`), which
+`torch.compile` traces through.
+
+`import hf_vegas_kernels` and `naive` need only torch: the Triton modules load on first use of one of their ops
+(`hf_vegas_kernels.dense_attention`), so a machine without Triton still has the contract, and a broken Triton install
+surfaces where a Triton op is asked for, with its own error.
 
 Installed with hf_vegas under this name, never as a top-level `kernels` module (that name is HF's `kernels` library).
 """
 
-from .linear import gated_linear, gated_linear_op, grouped_linear, linear_residual, linear_residual_op, qkv_linear
-from .ops import (dense_attention, finalize_scores, qkv_rope_write, rms_norm, select_topk,
-                  sparse_draft_attention, verify_attention, write_kv)
-from .race import race_argmax
-from .top_p import top_p_filter
+import importlib
 
-__all__ = ["dense_attention", "finalize_scores", "gated_linear", "gated_linear_op", "grouped_linear",
-           "linear_residual", "linear_residual_op", "qkv_linear", "qkv_rope_write", "race_argmax", "rms_norm",
-           "select_topk", "sparse_draft_attention", "top_p_filter", "verify_attention", "write_kv"]
+from . import naive
+
+# Each Triton op and the module of this package that defines it.
+_TRITON_OPS = {
+    **dict.fromkeys(("gated_linear", "gated_linear_op", "grouped_linear", "linear_residual", "linear_residual_op",
+                     "qkv_linear"), "linear"),
+    **dict.fromkeys(("dense_attention", "finalize_scores", "qkv_rope_write", "rms_norm", "select_topk",
+                     "sparse_draft_attention", "verify_attention", "write_kv"), "ops"),
+    "race_argmax": "race",
+    "top_p_filter": "top_p",
+}
+TRITON_OPS = tuple(sorted(_TRITON_OPS))
+
+__all__ = ["TRITON_OPS", "load_triton_ops", "naive", *TRITON_OPS]
+
+
+def load_triton_ops() -> None:
+    """Import every Triton module now (registering their `torch.library` ops); raises what a failing import raises."""
+    for name in TRITON_OPS:
+        __getattr__(name)
+
+
+def __getattr__(name: str):
+    """A Triton op, importing its module (and Triton) the first time one is asked for."""
+    if name not in _TRITON_OPS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    op = getattr(importlib.import_module(f".{_TRITON_OPS[name]}", __name__), name)
+    globals()[name] = op
+    return op
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

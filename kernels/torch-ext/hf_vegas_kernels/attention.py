@@ -1,6 +1,6 @@
 """Split-K ("flash-decoding") attention over a per-row list of cache slots, for a few query rows per sequence.
 
-One kernel serves three ops of `hf_vegas.ops.reference`:
+One kernel serves three ops of the contract (`naive.py`):
 
 - sparse draft attention: the list is `sel_idx[b, :sel_count[b]]` followed by the tail `[sel_end[b], kv_len[b])`;
 - verification / dense decode attention: the list is `[tail_start[b], kv_len[b])` (`tail_start` is 0, or the

@@ -2,7 +2,7 @@
 
 A draft step writes one token per row per layer; as two advanced-indexing assignments that is two kernels of ~4 us
 each per layer at batch 64 (a seventh of a SmolLM2 draft step). One program per (row, token) copies the token's keys
-and values for every KV head, converting to the cache's dtype. Semantics: `hf_vegas.ops.reference.write_kv`.
+and values for every KV head, converting to the cache's dtype. Semantics: `naive.write_kv`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ of ~1.2 us) before the GEMM, twice per layer (the in-place `addmm_` is functiona
 
 A program owns `BLOCK_M` rows and `BLOCK_N` output columns that all lie in one weight (segment sizes are multiples
 of `BLOCK_N`), and accumulates in fp32. Block sizes, warps and stages per op: `_launch.LINEAR_TUNING`.
-Semantics: `hf_vegas.ops.reference.grouped_linear` / `gated_linear`.
+Semantics: `naive.grouped_linear` / `gated_linear`.
 """
 
 from __future__ import annotations

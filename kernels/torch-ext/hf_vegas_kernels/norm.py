@@ -3,7 +3,7 @@
 Uncompiled, the model's own RMSNorm is six small PyTorch kernels (compiled, one inductor kernel). Folding the norm
 into the projection kernels instead was measured slower on an H100 (SmolLM2 draft step, 64 rows: the q/k/v and
 gate/up launches went from 4.3 to 11.7 us each, as the scaled input tile no longer streams straight into the
-product). One program normalises `BLOCK_M` rows in fp32 and rounds once. Semantics: `hf_vegas.ops.reference.rms_norm`.
+product). One program normalises `BLOCK_M` rows in fp32 and rounds once. Semantics: `naive.rms_norm`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ops of the contract `hf_vegas.ops.reference` defines, on the Triton kernels: same names, same signatures, same
+"""The ops of the contract `naive.py` defines, on the Triton kernels: same names, same signatures, same
 results up to rounding (`verify_attention` emits fp16 logits for half-precision queries where the reference emits
 fp32; `sinks` `(Hq,)`: gpt-oss' per-head sink logits, in every softmax's denominator).
 
@@ -138,7 +138,7 @@ def _(*args, **kwargs):
 def finalize_scores(emitted, lse, score_rows, cand_end, q_heads: int, weights: bool, mean_rows: bool, out=None,
                     cand_start=None, window=None, q_slot=None):
     """Collect-2-Query scores `(B, 1 if mean_rows else R, S)` from `verify_attention`'s output (see
-    `hf_vegas.ops.reference.finalize_scores`), written into `out` if given. Returns them."""
+    `naive.finalize_scores`), written into `out` if given. Returns them."""
     if out is None:
         batch, num_rows, _, num_slots = emitted.shape
         out = _launch.empty(batch, 1 if mean_rows else num_rows, num_slots, dtype=torch.float32, device=emitted.device)
@@ -157,7 +157,7 @@ def _(*args, **kwargs):
 
 
 def select_topk(scores, count, cand_end, out, layers=None):
-    """`hf_vegas.ops.reference.select_topk` (top `count[b]` slots below `cand_end[b]`, ascending, into `out`)."""
+    """`naive.select_topk` (top `count[b]` slots below `cand_end[b]`, ascending, into `out`)."""
     _select_topk(scores, count, cand_end, out, layers)
     return out
 

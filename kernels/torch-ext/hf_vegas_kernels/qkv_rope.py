@@ -10,7 +10,7 @@ cache slots.
 The projection is never rounded before the rotation (the model rounds it once to its dtype), so half-precision
 results may differ from the model's by that rounding: a draft's keys and values are rewritten by the verification
 with the model's own layers, and drafts only decide how many tokens are accepted. Semantics:
-`hf_vegas.ops.reference.qkv_rope_write` (in fp32 it agrees with the model's layers to summation order).
+`naive.qkv_rope_write` (in fp32 it agrees with the model's layers to summation order).
 """
 
 from __future__ import annotations

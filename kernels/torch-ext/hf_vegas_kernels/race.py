@@ -8,7 +8,7 @@ and this kernel runs the race. Eagerly that is three launches over the `(B, V)` 
 A program owns one chunk of one row and finds its winner (ties: the lowest index, as `torch.argmax`); the last
 program of a row to finish, counted by an atomic ticket it zeroes again (`_launch.tickets`), merges the chunks'
 winners. A NaN key (a NaN score, or a filtered `-inf` score against a draw of 0) never wins; a row with no finite
-key drafts token 0, which the acceptance then rejects. Semantics: `hf_vegas.ops.reference.race_argmax`.
+key drafts token 0, which the acceptance then rejects. Semantics: `naive.race_argmax`.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def finalize_scores(emitted, lse, score_rows, cand_end, q_heads: int, weights: b
     slots of `emitted` are read: the verification kernel emits the slots it reads, which cover them.
 
     With a sliding `window` (and the forward's `q_slot` `(B, T)`), a candidate outside a score row's window scores
-    0 for that row, as `hf_vegas.ops.reference.row_scores` rates it.
+    0 for that row, as `naive.row_scores` rates it.
 
     `emitted` `(B, R, heads, S)` holds logits per query head (`weights=True` needs them) or per KV-head group sum;
     `lse` `(B, T, Hq)` is the verification's log-sum-exp; `score_rows` `(R,)` the token rows that were emitted.

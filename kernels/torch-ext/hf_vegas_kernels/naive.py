@@ -1,7 +1,9 @@
-r"""Plain-PyTorch reference ops: the contract. The CPU path (`eager`) and the Triton kernels (`hf_vegas_kernels`)
-implement the same ops under the same names and signatures (`tests/test_op_contract.py`), so callers pick a module
-and never branch on which: `dense_attention`, `sparse_draft_attention`, `verify_attention` (with the scored rows'
-logits), `finalize_scores`, `select_topk`, `write_kv`. A finished row (`kv_len` 0) reads nothing and outputs zeros.
+r"""The plain-PyTorch ("naive") ops: the contract, beside the Triton kernels that implement it (`ops.py`, `linear.py`,
+`top_p.py`, `race.py`). The Triton ops and hf_vegas' CPU path (`hf_vegas.ops.eager`) take the same names and
+signatures (`tests/test_op_contract.py`), so callers pick a module and never branch on which: `dense_attention`,
+`sparse_draft_attention`, `verify_attention` (with the scored rows' logits), `finalize_scores`, `select_topk`,
+`write_kv`. A finished row (`kv_len` 0) reads nothing and outputs zeros. This module imports only torch: it is
+hf_vegas' op path wherever Triton is missing (and is copied into the Hub folder, `hf_vegas.hub`).
 
 Shapes (cache layout "NHD", see `hf_vegas.cache`):
     q           `(B, Hq, T, D)` queries, RoPE applied
@@ -11,7 +13,7 @@ Shapes (cache layout "NHD", see `hf_vegas.cache`):
     kv_len      `(B,)` slots `>= kv_len` hold nothing valid
     sinks       `(Hq,)` or None: a learned logit per query head that joins each softmax's denominator and adds
                 nothing to the output (gpt-oss' attention sinks, `s_aux` in transformers)
-The reference reads the whole buffer and masks; the kernels read only the slots the mask allows.
+These read the whole buffer and mask; the kernels read only the slots the mask allows.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 
 
-def _visible(q_slot: torch.Tensor, kv_len: torch.Tensor, num_slots: int, window: int | None) -> torch.Tensor:
+def visible_slots(q_slot: torch.Tensor, kv_len: torch.Tensor, num_slots: int, window: int | None) -> torch.Tensor:
     """`(B, T, S)` bool: causal, inside the row's length, and inside the sliding window if any."""
     slots = torch.arange(num_slots, device=q_slot.device)
     visible = (slots[None, None, :] <= q_slot[:, :, None]) & (slots[None, None, :] < kv_len[:, None, None])
@@ -47,7 +49,7 @@ def draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, num_slots: int, w
     slots = torch.arange(num_slots, device=q_slot.device)
     tail = slots[None, :] >= sel_end[:, None]
     chosen = selected_slots(sel_idx, sel_count, num_slots) | tail
-    return _visible(q_slot, kv_len, num_slots, window) & chosen[:, None, :]
+    return visible_slots(q_slot, kv_len, num_slots, window) & chosen[:, None, :]
 
 
 def _logits(q: torch.Tensor, k_cache: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
@@ -97,27 +99,27 @@ def dense_attention(q, k_cache, v_cache, q_slot, kv_len, scaling: float, window=
     `list_len` (every attention op takes it, with `split_len` for drafts) is a host-side hint of how many slots a row
     reads, which only the kernels' work split uses: it never changes a result.
     """
-    alive, kv_len = _finished_rows(kv_len, q_slot)
-    visible = _visible(q_slot, kv_len, k_cache.shape[1], window)
-    return _zero_finished(masked_attention(q, k_cache, v_cache, visible, scaling, softcap, sinks), alive)
+    alive, kv_len = finished_rows(kv_len, q_slot)
+    visible = visible_slots(q_slot, kv_len, k_cache.shape[1], window)
+    return zero_finished(masked_attention(q, k_cache, v_cache, visible, scaling, softcap, sinks), alive)
 
 
 def sparse_draft_attention(q, k_cache, v_cache, q_slot, kv_len, sel_idx, sel_count, sel_end, scaling, softcap=None,
                            sinks=None, window=None, list_len=None, split_len=None):
     """Draft attention: the selected candidate slots plus the tail `[sel_end, kv_len)` (inside `window`, if any)."""
-    alive, kv_len = _finished_rows(kv_len, q_slot)
+    alive, kv_len = finished_rows(kv_len, q_slot)
     visible = draft_visible(q_slot, kv_len, sel_idx, sel_count, sel_end, k_cache.shape[1], window)
-    return _zero_finished(masked_attention(q, k_cache, v_cache, visible, scaling, softcap, sinks), alive)
+    return zero_finished(masked_attention(q, k_cache, v_cache, visible, scaling, softcap, sinks), alive)
 
 
-def _finished_rows(kv_len: torch.Tensor, q_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def finished_rows(kv_len: torch.Tensor, q_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A row of length 0 is finished: it reads nothing and its output is zeros (the kernels skip it). The plain ops
-    compute it over its slots up to its queries, so that no softmax is empty, and then zero it (`_zero_finished`)."""
+    compute it over its slots up to its queries, so that no softmax is empty, and then zero it (`zero_finished`)."""
     alive = kv_len > 0
     return alive, torch.where(alive, kv_len, q_slot.max(dim=1).values + 1)
 
 
-def _zero_finished(out: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+def zero_finished(out: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
     return torch.where(alive[:, None, None, None], out, 0.0).to(out.dtype)
 
 
@@ -145,8 +147,8 @@ def emit_scores(row_logits, q_slot, kv_len, score_rows, score: str, softcap, sin
     (`q_slot` `(B, T)`: every row of the forward)."""
     if score not in ("logits", "weights"):
         raise ValueError(f"score must be 'logits' or 'weights', got {score!r}")
-    lengths = _finished_rows(kv_len, q_slot)[1]
-    visible = _visible(q_slot[:, score_rows], lengths, row_logits.shape[-1], window)[:, None]
+    lengths = finished_rows(kv_len, q_slot)[1]
+    visible = visible_slots(q_slot[:, score_rows], lengths, row_logits.shape[-1], window)[:, None]
     seen = row_logits.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         seen = torch.cat([seen, sinks.float().reshape(1, -1, 1, 1).expand(*seen.shape[:3], 1)], dim=-1)
@@ -201,7 +203,7 @@ def row_scores(q_rows, k_cache, q_slot_rows, kv_len, cand_end, scaling, score: s
     """
     num_slots = k_cache.shape[1]
     logits = _logits(q_rows, k_cache, scaling, softcap)  # (B, Hq, R, S)
-    visible = _visible(q_slot_rows, kv_len, num_slots, window)[:, None]
+    visible = visible_slots(q_slot_rows, kv_len, num_slots, window)[:, None]
     if score == "weights":
         values = softmax_with_sinks(logits.masked_fill(~visible, float("-inf")), sinks)
     elif score == "logits":

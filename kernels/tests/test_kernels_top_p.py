@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopPLogitsWarper
 
-from hf_vegas.ops import reference
+from hf_vegas_kernels import naive
 from kernel_cases import DEVICE, import_kernels
 
 kernels = import_kernels()
@@ -62,7 +62,7 @@ def test_top_p_kernel_matches_the_stable_rule(kind, vocab, poison):
     scores = _rows(kind, vocab, seed=vocab)
     for top_p in TOP_P:
         out = _filter(scores, top_p, poison)
-        expected = reference.top_p_filter(scores.cpu(), top_p)
+        expected = naive.top_p_filter(scores.cpu(), top_p)
         if kind == "adjacent_ties":
             # Hundreds of near-equal probabilities: how many ties at the cut go is floor((1 - top_p - below) / p),
             # a ratio that can sit within fp32 rounding of an integer, and the kernel sums `below` in another order
@@ -84,7 +84,7 @@ def test_top_p_kernel_matches_transformers_warper_without_ties(poison):
 def test_top_p_kernel_keeps_a_custom_filter_value_and_refuses_bad_arguments():
     scores = _rows("plain", 301, seed=2)
     out = kernels.top_p_filter(scores, 0.5, filter_value=-123.0)
-    torch.testing.assert_close(out.cpu(), reference.top_p_filter(scores.cpu(), 0.5, -123.0), rtol=0, atol=0)
+    torch.testing.assert_close(out.cpu(), naive.top_p_filter(scores.cpu(), 0.5, -123.0), rtol=0, atol=0)
     for bad in (0.0, 1e-8, 1.0):  # tiny top_p: fp32 cannot tell 1 - top_p from the total mass; the warper keeps them
         with pytest.raises(ValueError, match="top_p"):
             kernels.top_p_filter(scores, bad)
@@ -105,30 +105,8 @@ def test_top_p_kernel_with_the_temperature_folded_in(kind, dtype, poison):
         poison(kernels.top_p)
         out = kernels.top_p_filter(logits, top_p, temperature=temperature)
         assert out.dtype == torch.float32
-        expected = reference.top_p_filter(logits.cpu(), top_p, temperature=temperature)
+        expected = naive.top_p_filter(logits.cpu(), top_p, temperature=temperature)
         torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0)
-
-
-def test_pipeline_folds_the_temperature_into_the_kernel():
-    """With the kernels, `[temperature, top-p]` is one `KernelTopP`; a temperature elsewhere stays the warper."""
-    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper)
-
-    from hf_vegas.sampling import KernelTopP, LogitsPipeline
-
-    pipeline = LogitsPipeline(LogitsProcessorList([TemperatureLogitsWarper(0.6), TopPLogitsWarper(0.9)]), kernels=True)
-    assert [type(p) for p in pipeline.processors] == [KernelTopP] and pipeline.processors[0].temperature == 0.6
-    assert pipeline.batched and pipeline.capture_key is not None
-    logits = (_rows("plain", 700, seed=6) * 3).to(torch.bfloat16)
-    torch.testing.assert_close(pipeline.history_free(logits).cpu(),
-                               reference.top_p_filter(logits.cpu(), 0.9, temperature=0.6), rtol=0, atol=0)
-    # float64 logits (which the kernel does not read) still get vanilla's fp32 copy first
-    torch.testing.assert_close(pipeline.history_free(logits.double()).cpu(),
-                               reference.top_p_filter(logits.cpu(), 0.9, temperature=0.6), rtol=0, atol=0)
-    apart = LogitsPipeline(LogitsProcessorList([TemperatureLogitsWarper(0.6), TopKLogitsWarper(50),
-                                                TopPLogitsWarper(0.9)]), kernels=True)
-    assert [type(p) for p in apart.processors] == [TemperatureLogitsWarper, TopKLogitsWarper, KernelTopP]
-    assert apart.processors[2].temperature is None
 
 
 @pytest.mark.gpu
@@ -137,7 +115,7 @@ def test_top_p_kernel_at_a_real_vocabulary_on_the_gpu():
     gen = torch.Generator().manual_seed(3)
     scores = (torch.randn(448, 49152, generator=gen) * 4).to(torch.bfloat16).float().cuda()
     for top_p in (0.5, 0.95):
-        expected = reference.top_p_filter(scores, top_p)  # CUDA's stable sort, same rule
+        expected = naive.top_p_filter(scores, top_p)  # CUDA's stable sort, same rule
         mismatched = (kernels.top_p_filter(scores, top_p).isinf() != expected.isinf()).any(dim=1)
         # fp32 sums in two orders: a row may differ only where a cumulative sum sits within rounding of 1 - top_p
         assert int(mismatched.sum()) <= 2
@@ -156,5 +134,5 @@ def test_folded_temperature_is_the_warpers_own_on_the_gpu():
         out = kernels.top_p_filter(logits, 0.95, temperature=temperature)
         kept = ~out.isinf()
         assert torch.equal(out[kept], warped[kept])
-        expected = reference.top_p_filter(logits, 0.95, temperature=temperature)
+        expected = naive.top_p_filter(logits, 0.95, temperature=temperature)
         assert int((out.isinf() != expected.isinf()).any(dim=1).sum()) <= 1

@@ -1,6 +1,6 @@
-"""Triton attention kernels == reference ops, on odd shapes, with NaN wherever they must not read or write.
+"""Triton attention kernels == naive ops, on odd shapes, with NaN wherever they must not read or write.
 
-On the CPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1); the GPU variants at the end
+On the CPU they run in Triton's interpreter (the root conftest.py sets TRITON_INTERPRET=1); the GPU variants at the end
 repeat the comparison at real sizes in bf16/fp16.
 """
 
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from hf_vegas.ops import reference
+from hf_vegas_kernels import naive
 from kernel_cases import DEVICE, dense_readable, import_kernels, make_case, poisoned, sparse_readable
 
 kernels = import_kernels()
@@ -67,7 +67,7 @@ def test_sparse_draft_attention(head_dim, q_heads, kv_heads, tokens):
     readable = sparse_readable(case)
     args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
     got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args)
-    expected = reference.sparse_draft_attention(case.q, case.k, case.v, *args)
+    expected = naive.sparse_draft_attention(case.q, case.k, case.v, *args)
     _assert_close(got, expected, torch.float32)
 
 
@@ -85,7 +85,7 @@ def test_a_row_of_length_zero_reads_nothing(monkeypatch, waves):
     draft = kernels.sparse_draft_attention(case.q, k, v, case.q_slot, kv_len, case.sel_idx, case.sel_count,
                                            case.sel_end, case.scaling)
     dense = kernels.dense_attention(case.q, k, v, case.q_slot, kv_len, case.scaling)
-    expected = reference.sparse_draft_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.sel_idx,
+    expected = naive.sparse_draft_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.sel_idx,
                                                 case.sel_count, case.sel_end, case.scaling)
     for out in (draft, dense):
         assert torch.equal(out[1], torch.zeros_like(out[1]))
@@ -98,7 +98,7 @@ def test_split_hint_changes_balance_not_result(list_len):
     case = make_case([200, 150], [3, 5], 1, 64, 4, 2, seed=3)
     args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
     got = kernels.sparse_draft_attention(case.q, case.k, case.v, *args, list_len=list_len)
-    _assert_close(got, reference.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
+    _assert_close(got, naive.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
 
 
 @pytest.mark.parametrize("waves", [0, 2])
@@ -116,7 +116,7 @@ def test_a_split_length_gives_long_lists_more_programs(monkeypatch, interpreter_
     got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args,
                                          list_len=151, split_len=50)
     assert combine_launches, "several splits: their states were combined"
-    _assert_close(got, reference.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
+    _assert_close(got, naive.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
 
 
 @pytest.mark.parametrize("window", [40, 9])
@@ -130,9 +130,9 @@ def test_sparse_draft_attention_inside_a_window(head_dim, q_heads, kv_heads, tok
     args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
     got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args,
                                          window=window)
-    expected = reference.sparse_draft_attention(case.q, case.k, case.v, *args, window=window)
+    expected = naive.sparse_draft_attention(case.q, case.k, case.v, *args, window=window)
     _assert_close(got, expected, torch.float32)
-    assert not torch.allclose(expected, reference.sparse_draft_attention(case.q, case.k, case.v, *args)), \
+    assert not torch.allclose(expected, naive.sparse_draft_attention(case.q, case.k, case.v, *args)), \
         "the window must cut some selected slot for this test to mean much"
 
 
@@ -144,11 +144,11 @@ def test_dense_attention(head_dim, q_heads, kv_heads, tokens, window, softcap):
     readable = dense_readable(case, window)
     args = (case.q_slot, case.kv_len, case.scaling, window, softcap)
     got = kernels.dense_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args)
-    _assert_close(got, reference.dense_attention(case.q, case.k, case.v, *args), torch.float32)
+    _assert_close(got, naive.dense_attention(case.q, case.k, case.v, *args), torch.float32)
 
 
 def _expected_scores(case, rows, score, softcap):
-    return reference.row_scores(
+    return naive.row_scores(
         case.q[:, :, rows], case.k, case.q_slot[:, rows], case.kv_len, case.sel_end, case.scaling, score, softcap
     )
 
@@ -166,7 +166,7 @@ def test_verify_attention_emits_collect_2_query_scores(head_dim, q_heads, kv_hea
         case.q, poisoned(case.k, readable), poisoned(case.v, readable), case.q_slot, case.kv_len, case.scaling,
         rows, score, softcap,
     )
-    expected_out = reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
+    expected_out = naive.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
                                              None, softcap)
     _assert_close(out, expected_out, torch.float32)
     expected = _expected_scores(case, rows, score, softcap)  # (B, R, S)
@@ -214,10 +214,10 @@ def test_verify_attention_inside_a_window_emits_the_window_candidates(head_dim, 
         case.q, poisoned(case.k, readable), poisoned(case.v, readable), case.q_slot, case.kv_len, case.scaling,
         rows, score, window=window,
     )
-    _assert_close(out, reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
+    _assert_close(out, naive.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
                                                  window), torch.float32)
     cand_start = (case.sel_end - window + 1).clamp_min(0)
-    expected = reference.row_scores(case.q[:, :, rows], case.k, case.q_slot[:, rows], case.kv_len, case.sel_end,
+    expected = naive.row_scores(case.q[:, :, rows], case.k, case.q_slot[:, rows], case.kv_len, case.sel_end,
                                     case.scaling, score, window=window, cand_start=cand_start)
     for mean_rows in (True, False):
         got = kernels.finalize_scores(emitted, lse, rows, case.sel_end, q_heads, score == "weights", mean_rows,
@@ -255,7 +255,7 @@ def test_sparse_drafts_with_wide_heads_take_their_own_launch_setting(monkeypatch
         combine_launches.clear()
         got = kernels.sparse_draft_attention(case.q, case.k, case.v, *args)
         assert len(combine_launches) == expected, f"{split_kind} split, head_dim {head_dim}"
-        _assert_close(got, reference.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
+        _assert_close(got, naive.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
 
 
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", [HEADS[1], HEADS[3]])
@@ -286,7 +286,7 @@ def test_one_split_writes_what_the_combine_would(monkeypatch, combine_launches, 
     tune(waves=0)
     out, lse, _ = run()
     assert len(combine_launches) == 1, "one split: no combine launch"
-    expected = reference.sparse_draft_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.sel_idx,
+    expected = naive.sparse_draft_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.sel_idx,
                                                 case.sel_count, case.sel_end, case.scaling)
     _assert_close(out, expected, torch.float32)
     _assert_close(split_out, expected, torch.float32)
@@ -325,8 +325,8 @@ def test_the_last_split_merges_in_the_kernel(monkeypatch, interpreter_sms, combi
         draft, dense, (out, emitted, lse) = run(fused=True)
         assert not combine_launches, "with fused_combine and at most 8 splits no kind launches the combine"
         assert not _launch.tickets(1, case.q.device).any(), "the kernel must leave its tickets at zero"
-        _assert_close(draft, reference.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
-        expected = reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling)
+        _assert_close(draft, naive.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
+        expected = naive.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling)
         _assert_close(dense, expected, torch.float32)
         _assert_close(out, expected, torch.float32)
         _assert_close(lse, launched[2][2], torch.float32)
@@ -380,13 +380,13 @@ def test_sinks_in_every_kernel(monkeypatch, interpreter_sms, combine_launches, h
     args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
     got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args,
                                          sinks=sinks)
-    _assert_close(got, reference.sparse_draft_attention(case.q, case.k, case.v, *args, sinks=sinks), torch.float32)
+    _assert_close(got, naive.sparse_draft_attention(case.q, case.k, case.v, *args, sinks=sinks), torch.float32)
     for window in (None, 5):
         readable = dense_readable(case, window)
         dense_args = (case.q_slot, case.kv_len, case.scaling, window)
         got = kernels.dense_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *dense_args,
                                       sinks=sinks)
-        expected = reference.dense_attention(case.q, case.k, case.v, *dense_args, sinks=sinks)
+        expected = naive.dense_attention(case.q, case.k, case.v, *dense_args, sinks=sinks)
         _assert_close(got, expected, torch.float32)
     rows = torch.tensor([0, tokens - 1], device=DEVICE)
     readable = dense_readable(case)
@@ -394,9 +394,9 @@ def test_sinks_in_every_kernel(monkeypatch, interpreter_sms, combine_launches, h
         case.q, poisoned(case.k, readable), poisoned(case.v, readable), case.q_slot, case.kv_len, case.scaling,
         rows, "weights", sinks=sinks,
     )
-    _assert_close(out, reference.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
+    _assert_close(out, naive.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
                                                  sinks=sinks), torch.float32)
-    expected = reference.row_scores(case.q[:, :, rows], case.k, case.q_slot[:, rows], case.kv_len, case.sel_end,
+    expected = naive.row_scores(case.q[:, :, rows], case.k, case.q_slot[:, rows], case.kv_len, case.sel_end,
                                     case.scaling, "weights", sinks=sinks)
     got = kernels.finalize_scores(emitted, lse, rows, case.sel_end, q_heads, True, mean_rows=False)
     assert torch.equal(torch.isfinite(got), torch.isfinite(expected))
@@ -420,16 +420,16 @@ def test_value_head_dim_other_than_the_keys(head_dim, v_dim, q_heads, kv_heads):
     args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
     got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args)
     assert got.shape[-1] == v_dim
-    _assert_close(got, reference.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
+    _assert_close(got, naive.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
     readable = dense_readable(case)
     k, v = poisoned(case.k, readable), poisoned(case.v, readable)
     dense_args = (case.q_slot, case.kv_len, case.scaling)
-    expected = reference.dense_attention(case.q, case.k, case.v, *dense_args)
+    expected = naive.dense_attention(case.q, case.k, case.v, *dense_args)
     _assert_close(kernels.dense_attention(case.q, k, v, *dense_args), expected, torch.float32)
     rows = torch.tensor([0, tokens - 1], device=DEVICE)
     out, emitted, lse = kernels.verify_attention(case.q, k, v, *dense_args, rows, "weights")
     _assert_close(out, expected, torch.float32)
-    want = reference.row_scores(case.q[:, :, rows], case.k, case.q_slot[:, rows], case.kv_len, case.sel_end,
+    want = naive.row_scores(case.q[:, :, rows], case.k, case.q_slot[:, rows], case.kv_len, case.sel_end,
                                 case.scaling, "weights")
     got = kernels.finalize_scores(emitted, lse, rows, case.sel_end, q_heads, True, mean_rows=False)
     _assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)], torch.float32)
@@ -452,11 +452,11 @@ def test_kernels_at_real_sizes_on_gpu(head_dim, q_heads, kv_heads, dtype, score,
     readable = sparse_readable(case)
     got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable),
                                          *draft_args, softcap)
-    _assert_close(got, reference.sparse_draft_attention(f32.q, f32.k, f32.v, *draft_args, softcap), dtype)
+    _assert_close(got, naive.sparse_draft_attention(f32.q, f32.k, f32.v, *draft_args, softcap), dtype)
     rows = torch.tensor([0, tokens - 1], device="cuda")
     out, emitted, lse = kernels.verify_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling,
                                                  rows, score, softcap)
-    expected_out = reference.dense_attention(f32.q, f32.k, f32.v, f32.q_slot, f32.kv_len, f32.scaling, None, softcap)
+    expected_out = naive.dense_attention(f32.q, f32.k, f32.v, f32.q_slot, f32.kv_len, f32.scaling, None, softcap)
     _assert_close(out, expected_out, dtype)
     got = kernels.finalize_scores(emitted, lse, rows, case.sel_end, q_heads, score == "weights", True)[:, 0]
     want = _expected_scores(f32, rows, score, softcap).mean(dim=1)
@@ -472,7 +472,7 @@ def _attend_compact(case, b, slots):
     index = torch.as_tensor(sorted(slots), device=case.k.device)
     k, v = case.k[b : b + 1, index].float(), case.v[b : b + 1, index].float()
     n = torch.tensor([index.numel()], device=index.device)
-    return reference.dense_attention(case.q[b : b + 1].float(), k, v, n[:, None] - 1, n, case.scaling)
+    return naive.dense_attention(case.q[b : b + 1].float(), k, v, n[:, None] - 1, n, case.scaling)
 
 
 @gpu

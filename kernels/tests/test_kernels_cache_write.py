@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_vegas.ops import reference
+from hf_vegas_kernels import naive
 from kernel_cases import DEVICE, import_kernels
 
 kernels = import_kernels()
@@ -26,7 +26,7 @@ def test_write_kv_matches_reference(heads, head_dim, v_dim, tokens, cache_dtype)
               for d in (head_dim, v_dim)]
     expected = [c.clone() for c in caches]
     kernels.write_kv(*caches, key, value, write)
-    reference.write_kv(*expected, key, value, write)
+    naive.write_kv(*expected, key, value, write)
     for got, want in zip(caches, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert not caches[0][torch.arange(batch)[:, None], write.cpu()].isnan().any()

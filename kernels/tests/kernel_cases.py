@@ -1,4 +1,5 @@
-"""Inputs for the kernel-vs-reference tests: ragged rows, odd lengths, and caches poisoned where no op may read."""
+"""Inputs for the kernel-vs-naive tests: ragged rows, odd lengths, caches poisoned where no op may read, and the fp32
+tolerance. hf_vegas' own tests (`tests/`) use them too (pytest puts this folder on the path: `pyproject.toml`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hf_vegas_kernels.naive import selected_slots
 
 NAN = float("nan")
-# Kernels run on the GPU when there is one, else on the CPU in Triton's interpreter (see conftest.py).
+# Kernels run on the GPU when there is one, else on the CPU in Triton's interpreter (see the root conftest.py).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -19,7 +21,9 @@ def import_kernels():
     fails the tests (a skip would hide a broken kernel behind dozens of quiet skips)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed on this platform", allow_module_level=True)
-    return importlib.import_module("hf_vegas_kernels")
+    kernels = importlib.import_module("hf_vegas_kernels")
+    kernels.load_triton_ops()
+    return kernels
 
 
 @dataclass
@@ -77,8 +81,11 @@ def dense_readable(case: Case, window: int | None = None) -> torch.Tensor:
 
 
 def sparse_readable(case: Case) -> torch.Tensor:
-    from hf_vegas.ops.reference import selected_slots
-
     slots = torch.arange(case.k.shape[1], device=case.k.device)[None, :]
     chosen = selected_slots(case.sel_idx.clamp_min(0), case.sel_count, case.k.shape[1])
     return (chosen | (slots >= case.sel_end[:, None])) & (slots < case.kv_len[:, None])
+
+
+def assert_fp32_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32 products summed in another order: equal to a few ulps of the largest magnitude involved."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
