@@ -44,3 +44,16 @@ def test_every_triton_op_loads_and_unknown_names_are_attribute_errors():
         assert callable(getattr(kernels, name)) and callable(getattr(kernels.naive, twin)), f"{name}: no naive {twin}"
     with pytest.raises(AttributeError, match="has no attribute 'no_such_op'"):
         kernels.no_such_op
+
+
+def test_loading_all_ops_keeps_an_op_already_replaced(monkeypatch):
+    """`load_triton_ops` (which hf_vegas calls when it first resolves the Triton backend) loads only what is missing:
+    a spy a test put in place before stays the op hf_vegas calls."""
+    kernels = import_kernels()
+
+    def spy(*args, **kwargs):
+        raise AssertionError("not called here")
+
+    monkeypatch.setattr(kernels, "sparse_draft_attention", spy)
+    kernels.load_triton_ops()
+    assert kernels.sparse_draft_attention is spy
