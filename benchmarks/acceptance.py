@@ -122,8 +122,17 @@ def plot(records: list[dict], model: str, gamma: int, new_tokens: int, path: Pat
     panels = sorted({(r["task"], r["config"]["min_tokens"], r["prompt_tokens"]) for r in mine})
     if not panels:
         raise SystemExit(f"no records of {model} at gamma {gamma} and {new_tokens} new tokens in the file")
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, (task, floor, tokens) in zip(axes[0], panels):
+    # One row of panels per prompt length in thousands (the tasks' prompts differ by a few tokens), one column per
+    # (task, floor).
+    lengths = sorted({round(tokens / 1000) for _, _, tokens in panels})
+    columns = sorted({(task, floor) for task, floor, _ in panels})
+    fig, axes = plt.subplots(len(lengths), len(columns), figsize=(4.2 * len(columns), 3.4 * len(lengths)),
+                             squeeze=False)
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for task, floor, tokens in panels:
+        ax = axes[lengths.index(round(tokens / 1000))][columns.index((task, floor))]
+        ax.set_visible(True)
         for variant in VARIANTS:
             runs: dict[float, list[float]] = {}
             for r in mine:
@@ -139,10 +148,10 @@ def plot(records: list[dict], model: str, gamma: int, new_tokens: int, path: Pat
         ax.set_ylabel("tokens / iteration")
         ax.grid(alpha=0.3)
     labels = {}  # every policy any panel drew, for one legend
-    for ax in axes[0]:
+    for ax in axes.flat:
         for line in ax.get_lines():
             labels.setdefault(line.get_label(), line)
-    axes[0][0].legend(list(labels.values()), list(labels), fontsize=7)
+    next(ax for ax in axes.flat if ax.get_visible()).legend(list(labels.values()), list(labels), fontsize=7)
     save_figure(fig, path, f"{model}: tokens per iteration by draft policy (greedy, gamma {gamma}, "
                 f"{new_tokens} new tokens)", 10, "acceptance records")
 
