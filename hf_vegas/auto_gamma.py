@@ -97,7 +97,6 @@ class GammaController:
         self.visited: set[int] = set()  # arms run in this generation (their first iteration is not timed)
         self.said_dense = False
         self._events = device.type == "cuda"
-        self._draft_start = self._draft_end = None
         self._last_sync: float | None = None
         self._preparing = 0.0  # seconds of the untimed (preparing) iterations since the last timed one
 
@@ -107,31 +106,31 @@ class GammaController:
         iteration's time counts, so a fresh bucket's first preparation (its eager warm-up) is measured whole."""
         self._last_sync = time.perf_counter()
 
-    def draft_starts(self) -> None:
-        self._draft_start = self._mark()
-
-    def draft_ends(self) -> None:
-        self._draft_end = self._mark()
-
-    def _mark(self):
+    def mark(self):
+        """A point in the stream's work (a CUDA event recorded now) or, off CUDA, the host clock: a draft's start and
+        end marks go to `observe` with the iteration that verifies that draft."""
         if self._events:
             event = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(self.device))
             return event
         return time.perf_counter()
 
-    def _draft_seconds(self) -> float:
+    def _seconds(self, marks) -> float:
+        start, end = marks
         if self._events:
-            return self._draft_start.elapsed_time(self._draft_end) / 1000  # both done: the iteration has synced
-        return self._draft_end - self._draft_start
+            return start.elapsed_time(end) / 1000  # both done: the iteration that verified the draft has synced
+        return end - start
 
-    def observe(self, accepted: list[int | None], timed: bool, remaining: float | None = None) -> None:
+    def observe(self, accepted: list[int | None], timed: bool, remaining: float | None = None,
+                gamma: int | None = None, draft=None) -> None:
         """After the iteration's host synchronisation: `accepted[b]` drafts row `b` accepted (None: the row was
         inactive or its chunk was cut by a stop, which says nothing of its acceptance); `timed` is False when the
         iteration compiled or captured a graph; `remaining`: tokens an active row still generates, on average (None:
-        unknown, which never holds a move back)."""
+        unknown, which never holds a move back). `gamma`: the arm the iteration ran (default: the current one; a
+        draft queued ahead runs the arm chosen when it was queued, one decision behind); `draft`: the `mark`s around
+        its draft (None for a dense step)."""
         now = time.perf_counter()
-        gamma, times = self.gamma, self.times
+        gamma, times = self.gamma if gamma is None else gamma, self.times
         if not timed and self._last_sync is not None:
             self._preparing += now - self._last_sync
         elif timed and self._preparing:
@@ -141,8 +140,8 @@ class GammaController:
             seconds = now - self._last_sync
             if gamma == 0:
                 times.dense = times.mix(times.dense, seconds)
-            else:
-                draft = self._draft_seconds()
+            elif draft is not None:
+                draft = self._seconds(draft)
                 times.draft_step = times.mix(times.draft_step, draft / gamma)
                 times.rest[gamma] = times.mix(times.rest.get(gamma), max(seconds - draft, 0.0))
         self.visited.add(gamma)

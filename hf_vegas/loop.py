@@ -76,7 +76,8 @@ class DecodeLoop:
         # kept so the batch's length is vanilla's, not that of a row that ran ahead.
         self.first_stop: list[int | None] = [None] * batch
         self.target_len: int | None = None  # set when every row has stopped but finished rows are not padded
-        self.ahead = None  # the next iteration's (drafts, draft scores) when queued early (`_draft_ahead`)
+        self.ahead = None  # the next iteration's (drafts, draft scores, marks) when queued early (`_draft_ahead`)
+        self.draft_marks = None  # `gamma="auto"`: the marks around the draft the iteration verifies
         self.rng_before_ahead = None  # the generator's state before that draft's draws (sampling)
         self._pinned: torch.Tensor | None = None  # host buffer of the kept counts and stops (CUDA)
 
@@ -109,11 +110,12 @@ class DecodeLoop:
             if self.auto is None:
                 accepted.append(torch.where(active, self._iterate(active), -1))
                 continue
-            self.runner.set_gamma(self.auto.gamma)
-            prepared = self._preparations()
+            if self.ahead is None:  # else the draft queued ahead fixed this iteration's gamma
+                self.runner.set_gamma(self.auto.gamma)
+            prepared, ran = self._preparations(), self.runner.gamma
             accepted.append(torch.where(active, self._iterate(active), -1))
             self.auto.observe(self._observed(active_host), timed=self._preparations() == prepared,
-                              remaining=self._remaining(self._active()))
+                              remaining=self._remaining(self._active()), gamma=ran, draft=self.draft_marks)
         if self.ahead is not None and self.rng_before_ahead is not None:
             # A draft queued for a batch that then stopped is wasted; its draws must not move the generator, or the
             # user's next call would sample other tokens than without it.
@@ -160,18 +162,14 @@ class DecodeLoop:
         self.gammas.append(gamma)
         committed = cache.plan.lengths.clone()
         if gamma == 0:  # dense decoding: one token, picked exactly as vanilla picks it
-            drafts = draft_scores = None
+            drafts = draft_scores = self.draft_marks = None
             logits = self.runner.decode(self.pending)
         else:
             if self.ahead is not None:  # launched while the previous iteration synchronised
-                drafts, draft_scores = self.ahead
+                drafts, draft_scores, self.draft_marks = self.ahead
                 self.ahead = None
             else:
-                if self.auto is not None:
-                    self.auto.draft_starts()
-                drafts, draft_scores = self._draft()
-                if self.auto is not None:
-                    self.auto.draft_ends()
+                drafts, draft_scores, self.draft_marks = self._draft()
             logits = self.runner.verify(self.pending, drafts)
         budget = self.max_new - self.generated_t
         graphs, key = self.runner.graphs, self.pipeline.capture_key
@@ -193,7 +191,9 @@ class DecodeLoop:
         last = chunk.gather(1, (keep - 1).clamp_min(0)[:, None]).squeeze(1)
         self.pending = torch.where(keep > 0, last, self.pending)
         copied = self._to_host(keep, stopped)
-        if gamma > 0 and self._may_draft_ahead(gamma):
+        following = gamma if self.auto is None else self.auto.gamma  # the controller's latest choice
+        if following > 0 and self._may_draft_ahead(following):
+            self.runner.set_gamma(following)  # this iteration's steps are queued: the next ones draft `following`
             self.ahead = self._draft_ahead()
         self._follow_on_host(chunk, copied)
         if self.recorder.active:
@@ -201,21 +201,25 @@ class DecodeLoop:
         return n
 
     def _draft(self):
-        return self.runner.draft(self.pending, self.tokens, self.history, start=self.history_t,
-                                 keep_scores=self.do_sample)
+        """`(drafts, draft scores, marks)`: marks around the draft's steps for `gamma="auto"`'s timing, else None."""
+        start = self.auto.mark() if self.auto is not None else None
+        drafts, scores = self.runner.draft(self.pending, self.tokens, self.history, start=self.history_t,
+                                           keep_scores=self.do_sample)
+        return drafts, scores, None if start is None else (start, self.auto.mark())
 
     def _may_draft_ahead(self, gamma: int) -> bool:
         """Whether to queue the next iteration's draft before this iteration's synchronisation returns, so that the
         GPU does not idle while Python reads the kept counts and updates the rows (0.3-0.8 ms per iteration on an
-        H100). Only when the draft reads nothing but device state (no history-reading processor, a fixed gamma), no
-        streamer waits for the tokens, and the batch surely goes on: a row gains at most gamma + 1 tokens per
+        H100). With `gamma="auto"` the draft takes the controller's choice as of the last synchronisation (decisions
+        act one iteration later). Only when the draft reads nothing but device state (no history-reading processor),
+        no streamer waits for the tokens, and the batch surely goes on: a row gains at most gamma + 1 tokens per
         iteration, so one far enough from its length limit (the host counts are one iteration old) still decodes,
         unless EOS or another stopping criterion ends it; then two such rows are asked for, since a draft queued for
         a batch that has stopped is wasted (GPU time only: `run` puts the generator back where it was before it).
         On the CPU it gains nothing but runs the same, so the CPU tests cover it."""
         graphs, key = self.runner.graphs, self.pipeline.capture_key
         from_device = (graphs is not None and key is not None) or (graphs is None and self.pipeline.batched)
-        if self.auto is not None or self.streamer is not None or not from_device:
+        if self.streamer is not None or not from_device:
             return False
         limit = self._limit()
         going_on = sum(not f and limit - g > gamma + 1 for f, g in zip(self.finished, self.generated))

@@ -41,7 +41,6 @@ class _FakeClock:
     def __init__(self, controller, monkeypatch, draft: float, rest: dict, dense: float):
         self.controller, self.draft, self.rest, self.dense, self.now = controller, draft, rest, dense, 0.0
         monkeypatch.setattr(auto_gamma.time, "perf_counter", lambda: self.now)
-        monkeypatch.setattr(controller, "_draft_seconds", lambda: controller.gamma * self.draft)
 
     def iterate(self, acceptance: list[float], rng: random.Random, rows: int, first_cost: float = 0.0,
                 remaining: float | None = None) -> int:
@@ -49,8 +48,9 @@ class _FakeClock:
         self.now += self.dense if gamma == 0 else gamma * self.draft + self.rest[gamma]
         if gamma not in self.controller.visited:
             self.now += first_cost  # a kernel compiling at the arm's first iteration
+        marks = None if gamma == 0 else (0.0, gamma * self.draft)  # the draft's start and end on the host clock
         self.controller.observe([_draw(acceptance, gamma, rng) for _ in range(rows)], timed=True,
-                                remaining=remaining)
+                                remaining=remaining, gamma=gamma, draft=marks)
         return gamma
 
 
@@ -147,15 +147,19 @@ def test_a_pooled_bucket_keeps_its_times_and_starts_where_the_last_call_ended(mo
 
 @pytest.fixture
 def schedule(monkeypatch):
-    """Replaces the controller's decisions with a fixed cycle of gammas, one per iteration (0: a dense step)."""
-    cycle = [2, 0, 8, 4, 0, 0, 6, 2, 8]
+    """Replaces the controller's decisions with a fixed cycle of gammas, one per iteration (0: a dense step), and
+    records the gamma the loop reports each iteration ran. A draft queued ahead runs the choice made one
+    synchronisation earlier, so a choice the next one replaces at once may never run."""
+    cycle, ran = [2, 0, 8, 4, 0, 0, 6, 2, 8], []
 
-    def observe(self, accepted, timed, remaining=None):
+    def observe(self, accepted, timed, remaining=None, gamma=None, draft=None):
+        assert (draft is None) == (gamma == 0), "a drafting iteration's draft is timed, a dense one has none"
+        ran.append(gamma)
         self.step = getattr(self, "step", 0) + 1
         self.gamma = cycle[self.step % len(cycle)]
 
     monkeypatch.setattr(GammaController, "observe", observe)
-    return cycle
+    return cycle, ran
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -167,8 +171,11 @@ def test_greedy_stays_vanilla_while_gamma_moves(arch, schedule):
     out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma="auto", return_dict_in_generate=True,
                          **SPARSE)
     torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
-    ran = out.gammas.tolist()
-    assert ran[: len(schedule)] == [6, *schedule[1:]], "the output records the gamma each iteration ran"
+    cycle, ran = schedule
+    assert out.gammas.tolist() == ran, "the output records the gamma each iteration ran"
+    assert ran[0] == 6 and {0, 2, 4, 8} <= set(ran), "dense steps and every arm ran"
+    in_order = [6] + [cycle[i % len(cycle)] for i in range(1, len(ran))]  # each choice run at once
+    assert ran != in_order, "drafts were queued ahead (a choice acts one iteration later)"
     dense = out.gammas == 0
     assert bool((out.accepted[:, dense] <= 0).all()) and bool((out.accepted[:, ~dense] >= 1).any())
 
@@ -178,7 +185,8 @@ def test_sampling_keeps_vanilla_distribution_while_gamma_moves(start, then, monk
     """Three new tokens take two iterations: a short draft then a dense step, or a dense step then a draft."""
     monkeypatch.setattr(auto_gamma, "START", start)
     monkeypatch.setattr(GammaController, "observe",
-                        lambda self, accepted, timed, remaining=None: setattr(self, "gamma", then))
+                        lambda self, accepted, timed, remaining=None, gamma=None, draft=None:
+                        setattr(self, "gamma", then))
     model = tiny_model("llama", seed=3)
     prompt = torch.randint(1, 128, (1, 48), generator=torch.Generator().manual_seed(3))
     counts, out = vegas_samples(model, prompt, vegas_gamma="auto", vegas_sparsity=0.05, vegas_min_tokens=2)
