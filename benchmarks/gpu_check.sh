@@ -4,10 +4,10 @@
 # draft, one verification and one iteration (SmolLM2's shape with random weights, batch 64 x 7.5K, compiled graphs),
 # greedy and sampling. Prints the tests' tail and the profiles' summaries last.
 #     bash benchmarks/gpu_check.sh
-#     TESTS="tests/test_graphs.py tests/test_kernels_top_p.py" TEST_S=400 NO_PROFILE=1 bash benchmarks/gpu_check.sh
+#     TESTS="tests/test_graphs.py kernels/tests/test_kernels_top_p.py" TEST_S=400 NO_PROFILE=1 bash benchmarks/gpu_check.sh
 #     TEST_WORKERS=0 bash benchmarks/gpu_check.sh       (tests in one process, without pytest-xdist)
 #     PROFILE_S=120 bash benchmarks/gpu_check.sh       (each profile's time limit, default 200 s)
-export PYTHONPATH=.:kernels/torch-ext:tests:benchmarks PYTHONUNBUFFERED=1
+export PYTHONPATH=.:kernels/torch-ext:tests:kernels/tests:benchmarks PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1

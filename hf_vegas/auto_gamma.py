@@ -122,22 +122,25 @@ class GammaController:
         return end - start
 
     def observe(self, accepted: list[int | None], timed: bool, remaining: float | None = None,
-                gamma: int | None = None, draft=None) -> None:
+                gamma: int | None = None, draft=None, queued=None) -> None:
         """After the iteration's host synchronisation: `accepted[b]` drafts row `b` accepted (None: the row was
         inactive or its chunk was cut by a stop, which says nothing of its acceptance); `timed` is False when the
         iteration compiled or captured a graph; `remaining`: tokens an active row still generates, on average (None:
         unknown, which never holds a move back). `gamma`: the arm the iteration ran (default: the current one; a
         draft queued ahead runs the arm chosen when it was queued, one decision behind); `draft`: the `mark`s around
-        its draft (None for a dense step)."""
+        its draft (None for a dense step); `queued`: those of the draft this iteration queued for the next one. On
+        the GPU that draft runs after this synchronisation, in the next iteration's time; on the host clock it ran
+        before it, so its time moves to the next iteration, which it belongs to."""
         now = time.perf_counter()
         gamma, times = self.gamma if gamma is None else gamma, self.times
-        if not timed and self._last_sync is not None:
-            self._preparing += now - self._last_sync
+        moved = self._seconds(queued) if queued is not None and not self._events else 0.0
+        seconds = None if self._last_sync is None else now - self._last_sync - moved
+        if not timed and seconds is not None:
+            self._preparing += seconds
         elif timed and self._preparing:
             times.prepare = times.mix(times.prepare, self._preparing)
             self._preparing = 0.0
-        if timed and gamma in self.visited and self._last_sync is not None:
-            seconds = now - self._last_sync
+        if timed and gamma in self.visited and seconds is not None:
             if gamma == 0:
                 times.dense = times.mix(times.dense, seconds)
             elif draft is not None:
@@ -145,7 +148,7 @@ class GammaController:
                 times.draft_step = times.mix(times.draft_step, draft / gamma)
                 times.rest[gamma] = times.mix(times.rest.get(gamma), max(seconds - draft, 0.0))
         self.visited.add(gamma)
-        self._last_sync = now
+        self._last_sync = now - moved
         if gamma > 0:
             for row, n in enumerate(accepted):
                 if n is not None:

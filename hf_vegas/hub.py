@@ -107,8 +107,8 @@ def _kernel_modules(module: tuple[str, ...], node: ast.ImportFrom) -> list[tuple
     names = [alias.name for alias in node.names]
     if not set(names) <= set(TRITON_FREE_KERNEL_MODULES):
         raise ExportError(
-            f"{_shown(module)}: line {node.lineno} imports {names} from {KERNELS} at its top level; only its modules "
-            f"that need no Triton ({list(TRITON_FREE_KERNEL_MODULES)}) can be copied into the folder."
+            f"{_shown(module)}: line {node.lineno} imports {names} from {KERNELS}; only its modules that need no "
+            f"Triton ({list(TRITON_FREE_KERNEL_MODULES)}) can be copied into the folder."
         )
     return [(KERNELS, name) for name in names]
 
@@ -122,18 +122,18 @@ def _imported(module: tuple[str, ...], node: ast.ImportFrom) -> tuple[list[tuple
     name (`from .ops import backend`) rather than one module whose names it imports (`from .config import X`)."""
     package = module[:-1]
     if node.level - 1 > len(package):
-        raise ExportError(f"{_file(module)}: line {node.lineno} imports from above the hf_vegas package.")
+        raise ExportError(f"{_shown(module)}: line {node.lineno} imports from above the hf_vegas package.")
     base = package[: len(package) - (node.level - 1)]
     target = base + tuple(node.module.split(".")) if node.module else base
     if not _is_package(target):
         if not _file(target).is_file():
-            raise ExportError(f"{_file(module)}: line {node.lineno} imports {'.'.join(target)}, which has no file.")
+            raise ExportError(f"{_shown(module)}: line {node.lineno} imports {'.'.join(target)}, which has no file.")
         return [target], False
     submodules = [target + (alias.name,) for alias in node.names]
     for submodule in submodules:
         if not _file(submodule).is_file():  # a name defined in the package's `__init__`, or `*`
             raise ExportError(
-                f"{_file(module)}: line {node.lineno} imports {submodule[-1]!r} from the package "
+                f"{_shown(module)}: line {node.lineno} imports {submodule[-1]!r} from the package "
                 f"{'.'.join(('hf_vegas', *target))}; the flat export can rewrite only imports of its submodules."
             )
     return submodules, True
@@ -149,6 +149,12 @@ def _parse(module: tuple[str, ...]) -> tuple[str, ast.Module]:
             _kernel_modules(module, node)  # a kernel module that needs Triton is an error
         if any(name == "hf_vegas" or name.startswith("hf_vegas.") for name in names):
             raise ExportError(f"{_shown(module)}: line {node.lineno} imports hf_vegas by its absolute name.")
+        if any(name == KERNELS or name.startswith(f"{KERNELS}.") for name in names) and not (
+                isinstance(node, ast.ImportFrom) and node.module == KERNELS):
+            raise ExportError(  # `import hf_vegas_kernels`, `from hf_vegas_kernels.naive import f`: not rewritten
+                f"{_shown(module)}: line {node.lineno} imports {KERNELS} in a form the flat export cannot rewrite; "
+                f"write `from {KERNELS} import <module>` (a dynamic import, `importlib.import_module`, is left alone)."
+            )
     return source, tree
 
 
@@ -204,7 +210,7 @@ def _rewrite(module: tuple[str, ...]) -> str:
     for start, end, new in sorted(edits, reverse=True):
         data = data[:start] + new + data[end:]
     header = (
-        f"# {_shown(module)}, copied by `{COMMAND}` with its package imports rewritten for this flat folder.\n"
+        f"# {_shown(module)}, copied by `{COMMAND}`, its package imports rewritten for this folder.\n"
     )
     return header + data.decode("utf-8")
 

@@ -115,7 +115,8 @@ class DecodeLoop:
             prepared, ran = self._preparations(), self.runner.gamma
             accepted.append(torch.where(active, self._iterate(active), -1))
             self.auto.observe(self._observed(active_host), timed=self._preparations() == prepared,
-                              remaining=self._remaining(self._active()), gamma=ran, draft=self.draft_marks)
+                              remaining=self._remaining(self._active()), gamma=ran, draft=self.draft_marks,
+                              queued=None if self.ahead is None else self.ahead[2])
         if self.ahead is not None and self.rng_before_ahead is not None:
             # A draft queued for a batch that then stopped is wasted; its draws must not move the generator, or the
             # user's next call would sample other tokens than without it.
@@ -192,7 +193,7 @@ class DecodeLoop:
         self.pending = torch.where(keep > 0, last, self.pending)
         copied = self._to_host(keep, stopped)
         following = gamma if self.auto is None else self.auto.gamma  # the controller's latest choice
-        if following > 0 and self._may_draft_ahead(following):
+        if gamma > 0 and following > 0 and self._may_draft_ahead(gamma):  # this iteration adds up to gamma + 1
             self.runner.set_gamma(following)  # this iteration's steps are queued: the next ones draft `following`
             self.ahead = self._draft_ahead()
         self._follow_on_host(chunk, copied)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_vegas
-from hf_vegas import auto_gamma
+from hf_vegas import auto_gamma, loop
 from hf_vegas.assisted import assisted_generate
 from hf_vegas.auto_gamma import GammaController, expected_tokens
 from hf_vegas.config import AUTO_GAMMAS
@@ -127,6 +127,28 @@ def test_untimed_iterations_leave_the_times_alone(monkeypatch):
     assert controller.times.rest[controller.gamma] == pytest.approx(4.0)
 
 
+def test_a_draft_queued_ahead_on_the_host_clock_counts_in_the_iteration_that_verifies_it(monkeypatch):
+    """Off CUDA a draft queued ahead runs at once, inside the iteration that queued it; its time moves to the next
+    iteration, which verifies it, so an arm's rest of an iteration stays its own when the arm changes (here: draft
+    steps of 1 s, 10 s of verification and acceptance, gamma 2 twice then gamma 8 twice, each draft queued ahead)."""
+    controller = GammaController((2, 8), 1, torch.device("cpu"))
+    now = [0.0]
+    monkeypatch.setattr(auto_gamma.time, "perf_counter", lambda: now[0])
+    controller.start_clock()
+    now[0] += 2.0  # the first draft, in order
+    marks = (0.0, 2.0)
+    for ran, following in [(2, 2), (2, 8), (8, 8), (8, None)]:
+        now[0] += 10.0  # verification and acceptance
+        queued = None
+        if following is not None:  # the next draft, run at once
+            queued = (now[0], now[0] + following)
+            now[0] += following
+        controller.observe([ran], timed=True, gamma=ran, draft=marks, queued=queued)
+        marks = queued
+    assert controller.times.rest == {2: pytest.approx(10.0), 8: pytest.approx(10.0)}
+    assert controller.times.draft_step == pytest.approx(1.0)
+
+
 def test_a_pooled_bucket_keeps_its_times_and_starts_where_the_last_call_ended(monkeypatch):
     bucket = object.__new__(type("Bucket", (), {}))  # any weak-referenceable object stands for pooled graphs
     first = GammaController(AUTO_GAMMAS, 4, torch.device("cpu"), pool_key=bucket, decoding="greedy")
@@ -147,19 +169,30 @@ def test_a_pooled_bucket_keeps_its_times_and_starts_where_the_last_call_ended(mo
 
 @pytest.fixture
 def schedule(monkeypatch):
-    """Replaces the controller's decisions with a fixed cycle of gammas, one per iteration (0: a dense step), and
-    records the gamma the loop reports each iteration ran. A draft queued ahead runs the choice made one
-    synchronisation earlier, so a choice the next one replaces at once may never run."""
-    cycle, ran = [2, 0, 8, 4, 0, 0, 6, 2, 8], []
+    """Replaces the controller's decisions with a fixed cycle of gammas, one per iteration (0: a dense step). Returns
+    the gamma each iteration should run: the choice as of the synchronisation before it, or, when its draft was
+    queued ahead (`queued_for` counts which iterations), as of the one before that."""
+    cycle, queued_for = [2, 0, 8, 4, 0, 0, 6, 2, 8], set()
 
-    def observe(self, accepted, timed, remaining=None, gamma=None, draft=None):
+    def observe(self, accepted, timed, remaining=None, gamma=None, draft=None, queued=None):
         assert (draft is None) == (gamma == 0), "a drafting iteration's draft is timed, a dense one has none"
-        ran.append(gamma)
         self.step = getattr(self, "step", 0) + 1
         self.gamma = cycle[self.step % len(cycle)]
 
+    draft_ahead = loop.DecodeLoop._draft_ahead
+
+    def counted(decode_loop):
+        queued_for.add(len(decode_loop.gammas))  # the index of the iteration that will verify it
+        return draft_ahead(decode_loop)
+
     monkeypatch.setattr(GammaController, "observe", observe)
-    return cycle, ran
+    monkeypatch.setattr(loop.DecodeLoop, "_draft_ahead", counted)
+
+    def expected(iterations: int) -> list[int]:
+        choice = [6] + [cycle[s % len(cycle)] for s in range(1, iterations)]  # after the s-th synchronisation
+        return [choice[i - 1] if i in queued_for else choice[i] for i in range(iterations)]
+
+    return expected, queued_for
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -171,11 +204,11 @@ def test_greedy_stays_vanilla_while_gamma_moves(arch, schedule):
     out = model.generate(ids, **common, custom_generate="vegas", vegas_gamma="auto", return_dict_in_generate=True,
                          **SPARSE)
     torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
-    cycle, ran = schedule
-    assert out.gammas.tolist() == ran, "the output records the gamma each iteration ran"
-    assert ran[0] == 6 and {0, 2, 4, 8} <= set(ran), "dense steps and every arm ran"
-    in_order = [6] + [cycle[i % len(cycle)] for i in range(1, len(ran))]  # each choice run at once
-    assert ran != in_order, "drafts were queued ahead (a choice acts one iteration later)"
+    expected, queued_for = schedule
+    ran = out.gammas.tolist()
+    assert ran == expected(len(ran)), "the output records the gamma each iteration ran"
+    assert {0, 2, 4, 8} <= set(ran), "dense steps and every arm ran"
+    assert len(queued_for) >= 3, "drafts were queued ahead, a choice acting one iteration later"
     dense = out.gammas == 0
     assert bool((out.accepted[:, dense] <= 0).all()) and bool((out.accepted[:, ~dense] >= 1).any())
 
@@ -185,7 +218,7 @@ def test_sampling_keeps_vanilla_distribution_while_gamma_moves(start, then, monk
     """Three new tokens take two iterations: a short draft then a dense step, or a dense step then a draft."""
     monkeypatch.setattr(auto_gamma, "START", start)
     monkeypatch.setattr(GammaController, "observe",
-                        lambda self, accepted, timed, remaining=None, gamma=None, draft=None:
+                        lambda self, accepted, timed, **kwargs:
                         setattr(self, "gamma", then))
     model = tiny_model("llama", seed=3)
     prompt = torch.randint(1, 128, (1, 48), generator=torch.Generator().manual_seed(3))

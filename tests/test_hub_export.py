@@ -144,6 +144,19 @@ def test_the_kernel_package_s_naive_ops_are_copied_and_its_triton_modules_refuse
     naive = (code / "hf_vegas_kernels_naive.py").read_text()
     assert naive.startswith("# hf_vegas_kernels/naive.py, copied by")
     assert naive.split("\n", 1)[1] == (hub.KERNELS_SOURCE / "naive.py").read_text(), "copied unchanged"
+    assert max(len(line) for line in naive.splitlines()) <= 119
     statement = ast.parse("from hf_vegas_kernels import naive, ops").body[0]
     with pytest.raises(hub.ExportError, match=r"\['naive', 'ops'\] from hf_vegas_kernels.*\['naive'\]"):
         hub._kernel_modules(("cache",), statement)
+
+
+@pytest.mark.parametrize("statement", ["import hf_vegas_kernels", "from hf_vegas_kernels.naive import write_kv",
+                                       "import hf_vegas_kernels.naive as naive"])
+def test_a_kernel_import_the_export_cannot_rewrite_is_refused(statement, tmp_path, monkeypatch):
+    """Only `from hf_vegas_kernels import <module>` is rewritten; another form would reach the folder unchanged and
+    need the package where the folder runs."""
+    source = tmp_path / "module.py"
+    source.write_text(f"def load():\n    {statement}\n", encoding="utf-8")
+    monkeypatch.setattr(hub, "_file", lambda module: source)
+    with pytest.raises(hub.ExportError, match="in a form the flat export cannot rewrite"):
+        hub._parse(("module",))

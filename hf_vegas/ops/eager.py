@@ -1,8 +1,8 @@
 r"""The CPU path: the naive ops' semantics, reading only the slots a step needs.
 
-The naive ops (`hf_vegas_kernels`) attend over the whole preallocated buffer through a `(B, T, S)` mask. That keeps
-every shape static, which CUDA graphs need, but a "sparse" draft then reads every slot and a decode step reads the
-buffer's capacity. On the CPU nothing is captured and a row's length is already on the host, so these ops, with the
+The naive ops (`hf_vegas_kernels.naive`) attend over the whole preallocated buffer through a `(B, T, S)` mask. That
+keeps every shape static, which CUDA graphs need, but a "sparse" draft then reads every slot and a decode step reads
+the buffer's capacity. On the CPU nothing is captured and a row's length is already on the host, so these ops, with the
 same signatures and results:
 
 - attend over slots `[0, max(kv_len))` only, through SDPA without a mask when every query sees every slot (one

@@ -55,5 +55,8 @@ def test_loading_all_ops_keeps_an_op_already_replaced(monkeypatch):
         raise AssertionError("not called here")
 
     monkeypatch.setattr(kernels, "sparse_draft_attention", spy)
+    monkeypatch.setattr(kernels, "top_p_filter", spy)
+    monkeypatch.delattr(kernels, "top_p")  # as before the module's first import
     kernels.load_triton_ops()
-    assert kernels.sparse_draft_attention is spy
+    assert kernels.sparse_draft_attention is spy and kernels.top_p_filter is spy
+    assert kernels.top_p.MIN_TOP_P > 0, "every module is imported and bound, replaced ops or not"

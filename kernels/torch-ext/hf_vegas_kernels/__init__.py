@@ -7,7 +7,9 @@ takes its naive op's signature; those a model forward calls are `torch.library` 
 
 `import hf_vegas_kernels` and `naive` need only torch: the Triton modules load on first use of one of their ops
 (`hf_vegas_kernels.dense_attention`), so a machine without Triton still has the contract, and a broken Triton install
-surfaces where a Triton op is asked for, with its own error.
+surfaces where a Triton op is asked for, with its own error. That holds for every way of asking: without Triton,
+`hasattr`, `getattr` with a default and `from hf_vegas_kernels import *` raise the ImportError too, as the op names
+are listed (`__all__`, `dir`) but cannot load.
 
 Installed with hf_vegas under this name, never as a top-level `kernels` module (that name is HF's `kernels` library).
 """
@@ -31,8 +33,10 @@ __all__ = ["TRITON_OPS", "load_triton_ops", "naive", *TRITON_OPS]
 
 
 def load_triton_ops() -> None:
-    """Import every Triton module now (registering their `torch.library` ops); raises what a failing import raises.
-    An op already loaded, or replaced (a test's spy), stays as it is."""
+    """Import every Triton module now (registering their `torch.library` ops, and binding the modules as attributes);
+    raises what a failing import raises. An op already bound, or replaced (a test's spy), stays as it is."""
+    for module in sorted(set(_TRITON_OPS.values())):  # bound here too: an import's binding happens only once
+        globals().setdefault(module, importlib.import_module(f".{module}", __name__))
     for name in TRITON_OPS:
         if name not in globals():
             __getattr__(name)
