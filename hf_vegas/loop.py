@@ -194,7 +194,8 @@ class DecodeLoop:
         copied = self._to_host(keep, stopped)
         following = gamma if self.auto is None else self.auto.gamma  # the controller's latest choice
         if gamma > 0 and following > 0 and self._may_draft_ahead(gamma):  # this iteration adds up to gamma + 1
-            self.runner.set_gamma(following)  # this iteration's steps are queued: the next ones draft `following`
+            if following != gamma:  # this iteration's steps are queued: the next ones draft `following`
+                self.runner.set_gamma(following)
             self.ahead = self._draft_ahead()
         self._follow_on_host(chunk, copied)
         if self.recorder.active:

@@ -70,5 +70,5 @@ def load(cache: VegasCache, prefix: Cache, left_pad: torch.Tensor) -> None:
         slots = positions[None, :] - left_pad[:, None]
         slots = torch.where(slots < 0, cache.capacity, slots)  # pads go to the scratch slot, as in a prefill
         naive.write_kv(layer.keys, layer.values, source.keys.to(layer.device), source.values.to(layer.device),
-                           slots.to(layer.device))
+                       slots.to(layer.device))
     cache.plan.lengths.copy_((cached - left_pad).clamp_min(0))

@@ -20,7 +20,6 @@ A new policy is a new class in `POLICIES`; `VegasConfig(policy=...)` accepts its
 from __future__ import annotations
 
 import torch
-
 from hf_vegas_kernels import naive
 
 
