@@ -3,18 +3,26 @@
 A SmolLM2 draft step at batch 64 is bound by its launch count, not its bytes (`benchmarks/profile_forward.py`):
 even compiled, each layer is eleven kernels of 1-4 us (add + norm, q/k/v, two rotary halves, the cache write, the
 sparse attention, the output projection, add + norm, gate/up, down, add). In draft steps a layer whose code is
-exactly Llama's runs instead as seven calls, seven kernels (eight when the draft attention splits its list):
+exactly Llama's runs instead as five kernels (six when the draft attention splits its list; six for the first layer):
 
-    input RMSNorm                                           hf_vegas_kernels.rms_norm
+    [input RMSNorm: the first layer only]                   hf_vegas_kernels.rms_norm
     q/k/v projection + rotary embedding + cache write       hf_vegas_kernels.qkv_rope_write
     sparse draft attention                                  hf_vegas_kernels.sparse_draft_attention
-    output projection + residual                            hf_vegas_kernels.linear_residual_op
-    post-attention RMSNorm                                  hf_vegas_kernels.rms_norm
+    output projection + residual (+ the next norm's input)  hf_vegas_kernels.linear_residual_norm_op
     gate/up projection + activation                         hf_vegas_kernels.gated_linear_op
-    down projection + residual                              hf_vegas_kernels.linear_residual_op
+    down projection + residual (+ the next norm's input)    hf_vegas_kernels.linear_residual_norm_op
+
+The RMSNorms ride in the projections: the projection that makes a norm's input `h` also writes `h * norm_weight`
+and each column block's sum of squares of `h`'s rows, and the projection after the norm multiplies `h *
+norm_weight` and scales its products by `rsqrt(mean(h^2) + eps)` per row. (Folding the whole norm into the consumer
+was slower: every program must first read its rows' squares, and scaling the input tile in registers keeps it from
+streaming into the product.) The next layer's input norm is handed from one layer's last projection to the next
+layer's first through `carry`, and taken only when the next layer receives exactly the tensor this one returned
+(anything the decoder does between layers makes it fall back to its own norm launch).
 
 (Before, the projection and the rotary embedding were two launches, and each residual sum was cuBLAS' `addmm`,
-which a compiled step runs as a copy of the residual and the GEMM: eleven kernels per layer.)
+which a compiled step runs as a copy of the residual and the GEMM: eleven kernels per layer; then seven, with the
+norms as launches of their own.)
 
 Drafts only decide how many tokens are accepted, never which (the verification, with the model's own layers, picks
 every token; sampling uses the drafts' real probabilities), so this rounding is free to differ from the model's.
@@ -85,6 +93,7 @@ class _Parts:
     head_dim: int
     scaling: float
     max_rows: int  # the largest draft forward the fused kernels pay for (`fused_projections._max_rows`)
+    next_norm: tuple[torch.Tensor, float] | None = None  # the next fused layer's input norm (weight, eps)
 
 
 def layer_parts(layer) -> _Parts | None:
@@ -144,28 +153,48 @@ def _applies(parts: _Parts, cache, hidden_states: torch.Tensor, args: tuple, kwa
             and not torch.is_autocast_enabled(hidden_states.device.type))
 
 
-def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
+def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_embeddings,
+                   carry: dict) -> torch.Tensor:
     kernels = cache.ops  # the Triton backend's: fused layers run on no other
     batch, tokens, hidden = hidden_states.shape
     x = hidden_states.reshape(batch * tokens, hidden)
     bias = parts.qkv_bias or (None, None, None)
-    normed = kernels.rms_norm(x, parts.norm_in, parts.eps_in).view(batch, tokens, hidden)
+    handed = carry.pop(parts.layer_idx, None)  # the layer before wrote this layer's norm input with its output
+    if handed is not None and handed[0] is hidden_states:
+        normed, row_sumsq = handed[1], handed[2]
+    else:
+        normed, row_sumsq = kernels.rms_norm(x, parts.norm_in, parts.eps_in).view(batch, tokens, hidden), None
     cache.begin_layer(parts.layer_idx, tokens)
     store = cache.layers[parts.layer_idx]
     cos, sin = (t.contiguous() for t in position_embeddings)
     q = kernels.qkv_rope_write(normed, *parts.qkv, *bias, cos, sin, store.keys, store.values, cache.plan.write_slots,
-                               parts.q_heads, parts.kv_heads, parts.head_dim)
+                               parts.q_heads, parts.kv_heads, parts.head_dim, row_sumsq, parts.eps_in)
     sel = cache.selection
     attn = kernels.sparse_draft_attention(
         q.transpose(1, 2), store.keys, store.values, cache.plan.query_slots, cache.plan.attend_lengths,
         sel.sel_idx[parts.layer_idx], sel.sel_count[parts.layer_idx], sel.sel_end, parts.scaling,
         list_len=sel.draft_list_len, split_len=sel.draft_split_len,
     )
-    # Each residual sum is one launch that reads the residual in its epilogue (`torch.addmm` would copy it first).
-    x = kernels.linear_residual_op(attn.reshape(batch * tokens, -1), parts.o_weight, x)
-    gated = kernels.gated_linear_op(kernels.rms_norm(x, parts.norm_post, parts.eps_post), parts.gate, parts.up,
-                                    parts.act)
-    return kernels.linear_residual_op(gated, parts.down, x).view(batch, tokens, hidden)
+    # Each residual sum is one launch that reads the residual in its epilogue (`torch.addmm` would copy it first),
+    # and writes what the norm after it needs.
+    x, scaled, row_sumsq = kernels.linear_residual_norm_op(attn.reshape(batch * tokens, -1), parts.o_weight, x,
+                                                           parts.norm_post)
+    gated = kernels.gated_linear_op(scaled, parts.gate, parts.up, parts.act, row_sumsq, parts.eps_post)
+    if parts.next_norm is None:
+        return kernels.linear_residual_op(gated, parts.down, x).view(batch, tokens, hidden)
+    out, scaled, row_sumsq = kernels.linear_residual_norm_op(gated, parts.down, x, parts.next_norm[0])
+    out = out.view(batch, tokens, hidden)
+    carry[parts.layer_idx + 1] = (out, scaled.view(batch, tokens, hidden), row_sumsq)
+    return out
+
+
+def _link_norms(decoder, parts: dict) -> None:
+    """Each fused layer of `decoder.layers` whose successor is fused too writes that layer's norm input."""
+    layers = list(getattr(decoder, "layers", []))
+    for layer, following in zip(layers, layers[1:]):
+        if layer in parts and following in parts and parts[following].layer_idx == parts[layer].layer_idx + 1:
+            parts[layer] = dataclasses.replace(parts[layer], next_norm=(parts[following].norm_in,
+                                                                       parts[following].eps_in))
 
 
 @contextlib.contextmanager
@@ -173,23 +202,24 @@ def fused_draft_layers(model, cache):
     """Inside the block, the decoder layers of `model` that `layer_parts` accepts run their draft steps over `cache`
     as fused launches (Triton backend); every other forward runs as before. Yields the number of layers fused."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    all_parts = {layer: parts for layer in decoder.modules() if (parts := layer_parts(layer)) is not None}
+    _link_norms(decoder, all_parts)
+    carry = {}  # a norm input one fused layer hands the next, by the next one's index
     patched = []
     try:
-        for layer in decoder.modules():
-            parts = layer_parts(layer)
-            if parts is None:
-                continue
+        for layer, parts in all_parts.items():
             standard = type(layer).forward
 
             def forward(hidden_states, *args, _layer=layer, _parts=parts, _standard=standard, **kwargs):
                 if _applies(_parts, cache, hidden_states, args, kwargs):
-                    return _draft_forward(_parts, cache, hidden_states, kwargs["position_embeddings"])
+                    return _draft_forward(_parts, cache, hidden_states, kwargs["position_embeddings"], carry)
                 return _standard(_layer, hidden_states, *args, **kwargs)
 
             layer.forward = forward
             patched.append(layer)
         yield len(patched)
     finally:
+        carry.clear()
         for layer in patched:
             del layer.forward  # the class's forward again
 

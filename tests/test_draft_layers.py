@@ -1,6 +1,8 @@
 """Fused draft layers: which layers fuse, the same draft step as the model's own layers, and generation that stays
 vanilla's. Their kernels' own tests: `kernels/tests/test_kernels_norm_rope.py`."""
 
+import contextlib
+
 import pytest
 import torch
 from transformers import LogitsProcessorList
@@ -9,6 +11,7 @@ import hf_vegas
 from hf_vegas.attention import active_cache, vegas_attention
 from hf_vegas.cache import VegasCache
 from hf_vegas.config import VegasConfig
+from hf_vegas import draft_layers
 from hf_vegas.draft_layers import fused_draft_layers, in_draft_steps, layer_parts
 from hf_vegas.runner import StepRunner
 from kernel_cases import DEVICE, NAN, assert_fp32_close, import_kernels
@@ -93,6 +96,56 @@ def test_a_fused_draft_step_computes_what_the_model_s_layers_compute():
     for layer, (keys, values) in zip(cache.layers, written):
         assert_fp32_close(layer.keys, keys)
         assert_fp32_close(layer.values, values)
+
+
+def _draft_step(model, ids, mask, fused: bool, compile_with=None):
+    """Prefill, then one draft step's logits through the model's own layers or the fused ones (`compile_with`: a
+    `torch.compile` backend that runs the step)."""
+    config = VegasConfig(gamma=2, sparsity=0.3, min_tokens=4, backend="triton", cuda_graphs=False)
+    cache = VegasCache(model.config, ids.shape[0], 40, config, device=DEVICE, backend="triton")
+    runner = StepRunner(model, cache, LogitsProcessorList(), do_sample=False)
+    token = torch.arange(5, 5 + ids.shape[0], device=DEVICE)
+    with torch.no_grad(), vegas_attention(model), active_cache(cache):
+        runner.prefill(ids, left_pad=(mask == 0).sum(dim=1))
+        with fused_draft_layers(model, cache) if fused else contextlib.nullcontext():
+            cache.begin("draft")
+            if compile_with is None:
+                return runner.call_model(token[:, None], 1)
+            step = torch.compile(runner._run_model, fullgraph=True, backend=compile_with, dynamic=False)
+            return step(token[:, None], 1, None)
+
+
+def test_each_layer_hands_the_next_its_norm_input(monkeypatch):
+    """The input norm runs as a launch of its own in the first layer only, in eager and compiled steps (each later
+    norm rides in the projections); a decoder that changes the hidden states between layers gets its norms back."""
+    model = tiny_model("llama").to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
+    want = _draft_step(model, ids, mask, fused=False)
+    norms = []
+    original = kernels.rms_norm
+    monkeypatch.setattr(kernels, "rms_norm", lambda *args: norms.append(1) or original(*args))
+    assert_fp32_close(_draft_step(model, ids, mask, fused=True), want)
+    assert len(norms) == 1, "the first layer's input norm only"
+    monkeypatch.setattr(kernels, "rms_norm", original)
+
+    graphs = []
+
+    def count_norms(gm, example_inputs):  # the compiled step's graph: its norm launches
+        graphs.append(sum(node.target is torch.ops.hf_vegas.rms_norm.default for node in gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    assert_fp32_close(_draft_step(model, ids, mask, fused=True, compile_with=count_norms), want)
+    assert graphs == [1], graphs
+
+    # Hidden states that are not the tensor the layer before returned (as a decoder that changes them between layers
+    # would pass): every layer normalises its own input again, and the step still computes the model's.
+    fused_forward = draft_layers._draft_forward
+    monkeypatch.setattr(draft_layers, "_draft_forward", lambda *args: fused_forward(*args).clone())
+    norms.clear()
+    monkeypatch.setattr(kernels, "rms_norm", lambda *args: norms.append(1) or original(*args))
+    assert_fp32_close(_draft_step(model, ids, mask, fused=True), want)
+    assert len(norms) == model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("do_sample", [False, True])

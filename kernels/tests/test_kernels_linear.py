@@ -76,6 +76,45 @@ def test_gated_linear_matches_reference(act):
     assert_fp32_close(kernels.gated_linear_op(x, w_gate, w_up, act), want)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 70])
+def test_linear_residual_norm_writes_what_the_next_norm_needs(rows, poison):
+    """The output with the residual, the output times the next norm's weight, and partial sums of squares whose row
+    sums are the rounded output's; from NaN-poisoned buffers, rows over several row tiles."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).to(DEVICE)
+    weight = torch.randn(48, 96, generator=gen).to(DEVICE) / 8
+    residual = torch.randn(rows, 48, generator=gen).to(DEVICE)
+    norm_weight = torch.randn(48, generator=gen).to(DEVICE)
+    out, scaled, sumsq = kernels.linear_residual_norm_op(x, weight, residual, norm_weight)
+    want_out, want_scaled, want_sumsq = naive.linear_residual_norm(x, weight, residual, norm_weight)
+    assert_fp32_close(out, want_out)
+    assert_fp32_close(scaled, want_scaled)
+    assert sumsq.dtype == torch.float32 and sumsq.shape[0] == rows
+    assert_fp32_close(sumsq.sum(-1, keepdim=True), want_sumsq)
+    with pytest.raises(ValueError, match="norm_weight"):
+        kernels.linear_residual_norm(x, weight, residual, norm_weight[:16])
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows", [3, 70])
+def test_gated_linear_with_a_row_scale_is_the_mlp_of_the_norm(act, rows, poison):
+    """Fed by `linear_residual_norm`, the gated projection computes the MLP of `rms_norm(h)` with no norm launch:
+    against the naive ops both ways (the norm first, and the same row scale from the partial sums)."""
+    gen = torch.Generator().manual_seed(rows)
+    attn = torch.randn(rows, 64, generator=gen).to(DEVICE)
+    w_o = torch.randn(96, 64, generator=gen).to(DEVICE) / 8
+    residual = torch.randn(rows, 96, generator=gen).to(DEVICE)
+    norm_weight = torch.rand(96, generator=gen).to(DEVICE) + 0.5
+    w_gate, w_up = (torch.randn(48, 96, generator=gen).to(DEVICE) / 8 for _ in range(2))
+    h, scaled, sumsq = kernels.linear_residual_norm(attn, w_o, residual, norm_weight)
+    want = naive.gated_linear(naive.rms_norm(h, norm_weight, 1e-5), w_gate, w_up, act)
+    assert_fp32_close(kernels.gated_linear_op(scaled, w_gate, w_up, act, sumsq, 1e-5), want)
+    assert_fp32_close(naive.gated_linear(scaled, w_gate, w_up, act, sumsq, 1e-5), want)
+    assert not torch.allclose(want, naive.gated_linear(scaled, w_gate, w_up, act)), "the row scale must count"
+    with pytest.raises(ValueError, match="row_sumsq must be"):
+        kernels.gated_linear(scaled, w_gate, w_up, act, sumsq[:1])
+
+
 def test_linear_kernels_refuse_shapes_they_cannot_split():
     x = torch.randn(3, 32, device=DEVICE)
     with pytest.raises(ValueError, match="share a block of 16"):

@@ -10,15 +10,6 @@ from kernel_cases import DEVICE, NAN, assert_fp32_close, import_kernels
 kernels = import_kernels()
 
 
-@pytest.fixture
-def poison(monkeypatch):
-    """Every buffer the kernels allocate starts as NaN, so an entry a kernel forgets to write shows."""
-    def nan_empty(*shape, dtype, device):
-        return torch.full(shape, NAN if dtype.is_floating_point else -(2**40), dtype=dtype, device=device)
-
-    monkeypatch.setattr(kernels._launch, "empty", nan_empty)
-
-
 @pytest.mark.parametrize("rows", [1, 7, 70])
 @pytest.mark.parametrize("width", [96, 100])
 def test_rms_norm_matches_reference(rows, width, poison):
@@ -74,6 +65,36 @@ def test_qkv_rope_write_matches_reference(tokens, heads, with_bias, poison):
     two_step = [torch.full_like(caches[0], NAN) for _ in range(2)]
     assert_fp32_close(naive.rope_write_kv(qkv, cos, sin, *two_step, slot_ids, *layout), want_q)
     assert_fp32_close(two_step[0].nan_to_num(), caches[0].nan_to_num())
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_qkv_rope_write_takes_its_input_norm_from_the_projection_before(with_bias, poison):
+    """With `row_sumsq` (from `linear_residual_norm`), the launch projects `rms_norm(h)` given `h * norm_weight`: the
+    same queries, keys and values as the norm first, the biases added after the row scale."""
+    batch, tokens, width, layout = 5, 3, 48, (6, 2, 16)
+    gen = torch.Generator().manual_seed(11 + with_bias)
+    attn = torch.randn(batch * tokens, 32, generator=gen).to(DEVICE)
+    w_o = torch.randn(width, 32, generator=gen).to(DEVICE) / 4
+    residual = torch.randn(batch * tokens, width, generator=gen).to(DEVICE)
+    norm_weight = torch.rand(width, generator=gen).to(DEVICE) + 0.5
+    weights = [torch.randn(h * 16, width, generator=gen).to(DEVICE) / 4 for h in (6, 2, 2)]
+    biases = [torch.randn(w.shape[0], generator=gen).to(DEVICE) if with_bias else None for w in weights]
+    angles = torch.rand(batch, tokens, 8, generator=gen).to(DEVICE) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    slot_ids = torch.stack([torch.randperm(9, generator=gen)[:tokens] for _ in range(batch)]).to(DEVICE)
+    caches = [torch.full((batch, 9, 2, 16), NAN, device=DEVICE) for _ in range(4)]
+    h, scaled, sumsq = kernels.linear_residual_norm(attn, w_o, residual, norm_weight)
+    normed = naive.rms_norm(h, norm_weight, 1e-6).view(batch, tokens, width)
+    want_q = naive.qkv_rope_write(normed, *weights, *biases, cos, sin, caches[0], caches[1], slot_ids, *layout)
+    got_q = kernels.qkv_rope_write(scaled.view(batch, tokens, width), *weights, *biases, cos, sin, caches[2],
+                                   caches[3], slot_ids, *layout, sumsq, 1e-6)
+    assert_fp32_close(got_q, want_q)
+    for got, want in ((caches[2], caches[0]), (caches[3], caches[1])):
+        assert torch.equal(got.isnan(), want.isnan()), "only the given slots are written"
+        assert_fp32_close(got.nan_to_num(), want.nan_to_num())
+    with pytest.raises(ValueError, match="row_sumsq must be"):
+        kernels.qkv_rope_write(scaled.view(batch, tokens, width), *weights, *biases, cos, sin, caches[2], caches[3],
+                               slot_ids, *layout, sumsq.double(), 1e-6)
 
 
 def test_qkv_rope_write_refuses_weights_that_are_not_the_heads():

@@ -43,23 +43,40 @@ def _activate(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _tile(X, W, rows, cols, m_ok, n_ok, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+def _tiles(X, W0, W1, rows, cols, m_ok, n_ok, K, stride_xm, stride_w0, stride_w1, PAIR: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """`x @ W0[cols].T` and, with `PAIR`, `x @ W1[cols].T`, in one pass over the K tiles: each x tile is loaded
+    once for both products (gate and up), and the chain of dependent loads is as long as for one."""
+    acc0 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(W + cols[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
-    return acc
+        w_ok = n_ok[None, :] & k_ok[:, None]
+        w0 = tl.load(W0 + cols[None, :] * stride_w0 + k[:, None], mask=w_ok, other=0.0)
+        acc0 += tl.dot(x, w0.to(x.dtype), input_precision=PRECISION)
+        if PAIR:
+            w1 = tl.load(W1 + cols[None, :] * stride_w1 + k[:, None], mask=w_ok, other=0.0)
+            acc1 += tl.dot(x, w1.to(x.dtype), input_precision=PRECISION)
+    return acc0, acc1
+
+
+@triton.jit
+def _row_scale(SumSq, rows, m_ok, K, eps, stride_sm, parts, BLOCK_P: tl.constexpr):
+    """`rsqrt(mean(x^2) + eps)` per row, from the partial sums of squares `SumSq[row, :parts]` its producer wrote."""
+    p = tl.arange(0, BLOCK_P)
+    partial = tl.load(SumSq + rows[:, None] * stride_sm + p[None, :], mask=m_ok[:, None] & (p < parts)[None, :],
+                      other=0.0)
+    return tl.rsqrt(tl.sum(partial, axis=1) / K + eps)
 
 
 @triton.jit
 def _grouped_linear(
-    X, W0, W1, W2, B0, B1, B2, Res, Out, M, K, N0, N1, N2,
-    stride_xm, stride_w0, stride_w1, stride_w2, stride_rm, stride_om,
+    X, W0, W1, W2, B0, B1, B2, Res, Out, SumSqIn, NormW, Scaled, SumSqOut, M, K, N0, N1, N2, eps, parts_in,
+    stride_xm, stride_w0, stride_w1, stride_w2, stride_rm, stride_om, stride_si, stride_sc, stride_so,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+    ROW_SCALE: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
@@ -71,10 +88,13 @@ def _grouped_linear(
     out_cols = n_start + tl.arange(0, BLOCK_N)
     if GATED:
         n_ok = out_cols < N0
-        gate = _tile(X, W0, rows, out_cols, m_ok, n_ok, K, stride_xm, stride_w0, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-        up = _tile(X, W1, rows, out_cols, m_ok, n_ok, K, stride_xm, stride_w1, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        gate, up = _tiles(X, W0, W1, rows, out_cols, m_ok, n_ok, K, stride_xm, stride_w0, stride_w1, True, BLOCK_M,
+                          BLOCK_N, BLOCK_K, PRECISION)
         if USE_GDC:
             tl.extra.cuda.gdc_launch_dependents()
+        if ROW_SCALE:  # the input was `x * norm_weight`: the RMSNorm's per-row factor scales the products
+            scale = _row_scale(SumSqIn, rows, m_ok, K, eps, stride_si, parts_in, BLOCK_P)[:, None]
+            gate, up = gate * scale, up * scale
         result = _activate(gate, ACT) * up
     else:
         # Which weight this tile reads: segments are multiples of BLOCK_N, so a tile never straddles two.
@@ -86,7 +106,8 @@ def _grouped_linear(
             W, B, stride_w, start, size = W2, B2, stride_w2, N0 + N1, N2
         cols = out_cols - start
         n_ok = cols < size
-        result = _tile(X, W, rows, cols, m_ok, n_ok, K, stride_xm, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        result, _ = _tiles(X, W, W, rows, cols, m_ok, n_ok, K, stride_xm, stride_w, stride_w, False, BLOCK_M,
+                           BLOCK_N, BLOCK_K, PRECISION)
         if USE_GDC:
             tl.extra.cuda.gdc_launch_dependents()
         if HAS_BIAS:
@@ -94,8 +115,15 @@ def _grouped_linear(
         if HAS_RESIDUAL:  # one rounding of the fp32 sum, as cuBLAS' addmm (beta = 1) rounds
             result += tl.load(Res + rows[:, None] * stride_rm + out_cols[None, :], mask=m_ok[:, None] & n_ok[None, :],
                               other=0.0).to(tl.float32)
-    tl.store(Out + rows[:, None] * stride_om + out_cols[None, :], result.to(Out.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    ok = m_ok[:, None] & n_ok[None, :]
+    out = result.to(Out.dtype.element_ty)
+    tl.store(Out + rows[:, None] * stride_om + out_cols[None, :], out, mask=ok)
+    if NORM_OUT:  # for the next RMSNorm: this block's sum of squares of each rounded row, and the row times its weight
+        rounded = tl.where(ok, out.to(tl.float32), 0.0)
+        tl.store(SumSqOut + rows * stride_so + tl.program_id(0), tl.sum(rounded * rounded, axis=1), mask=m_ok)
+        weight = tl.load(NormW + out_cols, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(Scaled + rows[:, None] * stride_sc + out_cols[None, :],
+                 (rounded * weight[None, :]).to(Scaled.dtype.element_ty), mask=ok)
 
 
 def block_n_for(*sizes: int, widest: int = 64) -> int | None:
@@ -126,29 +154,45 @@ def _setting(kind: str, rows: int, sizes: list[int], element_bytes: int) -> dict
     return setting
 
 
-def _launch_linear(kind, x2, weights, biases, out, act=0, residual=None):
+def _column_block(kind: str, rows: int, sizes: list[int], element_bytes: int, device: torch.device) -> int:
+    # Triton's CPU interpreter (tests) pays per program: there the widest column block that fits, not the GPU's.
+    if device.type != "cuda" and INTERPRETER_BLOCK_N:
+        return block_n_for(*sizes, widest=INTERPRETER_BLOCK_N)
+    return _setting(kind, rows, sizes, element_bytes)["block_n"]
+
+
+def _launch_linear(kind, x2, weights, biases, out, act=0, residual=None, row_sumsq=None, eps=0.0, norm_out=None):
     """One launch of `_grouped_linear` over 1 to 3 weights (gated: gate and up) into `out` (plus `residual`, rows
-    like `out`, for one weight)."""
+    like `out`, for one weight). `row_sumsq` `(M, P)` (gated): the input is `x * norm_weight` and these partial sums
+    of squares give the RMSNorm's row factor. `norm_out` `(norm_weight, scaled)` (with `residual`): also write
+    `out * norm_weight` into `scaled`, and return each column block's sums of squares `(M, blocks)` (else None)."""
     sizes = [w.shape[0] for w in weights]
     setting = _setting(kind, x2.shape[0], sizes, x2.element_size())
-    # Triton's CPU interpreter (tests) pays per program: there the widest column block that fits, not the GPU's.
-    interpreted = x2.device.type != "cuda" and INTERPRETER_BLOCK_N
-    block_n = block_n_for(*sizes, widest=INTERPRETER_BLOCK_N) if interpreted else setting["block_n"]
+    block_n = _column_block(kind, x2.shape[0], sizes, x2.element_size(), x2.device)
     gated = kind == "gated"
     out_cols = sizes[0] if gated else sum(sizes)
     padded = weights + [weights[0]] * (3 - len(weights))
     has_bias = biases is not None and biases[0] is not None
     bias = (list(biases) if has_bias else [x2] * len(weights)) + [x2] * (3 - len(weights))
+    sumsq_out = None if norm_out is None else _launch.empty(x2.shape[0], triton.cdiv(out_cols, block_n),
+                                                            dtype=torch.float32, device=x2.device)
+    norm_weight, scaled = norm_out if norm_out is not None else (x2, out)
+    sumsq_in = row_sumsq if row_sumsq is not None else out
     _grouped_linear[(triton.cdiv(out_cols, block_n), triton.cdiv(x2.shape[0], setting["block_m"]))](
-        x2, *padded, *bias, out if residual is None else residual, out, x2.shape[0], x2.shape[1],
-        *(sizes + [0] * (3 - len(sizes))), x2.stride(0), *(w.stride(0) for w in padded),
-        out.stride(0) if residual is None else residual.stride(0), out.stride(0),
-        HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None, GATED=gated, ACT=act, BLOCK_M=setting["block_m"],
-        BLOCK_N=block_n, BLOCK_K=setting["block_k"], PRECISION=_launch.dot_precision(x2.dtype),
-        USE_GDC=_launch.pdl(x2.device), num_warps=setting["num_warps"], num_stages=setting["num_stages"],
-        **_launch.pdl_launch(x2.device),
+        x2, *padded, *bias, out if residual is None else residual, out, sumsq_in, norm_weight, scaled,
+        out if sumsq_out is None else sumsq_out,
+        x2.shape[0], x2.shape[1], *(sizes + [0] * (3 - len(sizes))), float(eps),
+        1 if row_sumsq is None else row_sumsq.shape[1], x2.stride(0), *(w.stride(0) for w in padded),
+        out.stride(0) if residual is None else residual.stride(0), out.stride(0), sumsq_in.stride(0),
+        scaled.stride(0), out.stride(0) if sumsq_out is None else sumsq_out.stride(0),
+        HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None, GATED=gated, ACT=act, ROW_SCALE=row_sumsq is not None,
+        NORM_OUT=norm_out is not None,
+        BLOCK_P=max(2, triton.next_power_of_2(1 if row_sumsq is None else row_sumsq.shape[1])),
+        BLOCK_M=setting["block_m"], BLOCK_N=block_n, BLOCK_K=setting["block_k"],
+        PRECISION=_launch.dot_precision(x2.dtype), USE_GDC=_launch.pdl(x2.device), num_warps=setting["num_warps"],
+        num_stages=setting["num_stages"], **_launch.pdl_launch(x2.device),
     )
-    return out
+    return sumsq_out
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -168,8 +212,13 @@ def grouped_linear(x: torch.Tensor, weights, biases=None) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], sum(sizes))
 
 
-def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: str) -> torch.Tensor:
-    """`act(x @ w_gate.T) * (x @ w_up.T)`, `act` in "silu", "gelu_tanh". `x` `(..., K)`, weights `(N, K)`."""
+def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: str, row_sumsq=None,
+                 eps: float = 0.0) -> torch.Tensor:
+    """`act(x @ w_gate.T) * (x @ w_up.T)`, `act` in "silu", "gelu_tanh". `x` `(..., K)`, weights `(N, K)`.
+
+    With `row_sumsq` `(rows, P)` (`linear_residual_norm`'s partial sums of squares of each row of the norm's input
+    `h`, with `x = h * norm_weight`), both products are of `rms_norm(h, norm_weight, eps)`: scaled per row by
+    `rsqrt(row_sumsq.sum(-1) / K + eps)` before the activation, so no norm launch comes between."""
     if act not in ACTIVATIONS:
         raise ValueError(f"gated_linear: act must be one of {list(ACTIVATIONS)}, got {act!r}")
     size = w_gate.shape[0]
@@ -178,24 +227,49 @@ def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act:
             f"gated_linear: gate and up must have one size, a multiple of 16; got {size}, {w_up.shape[0]}"
         )
     x2 = _rows(x)
+    if row_sumsq is not None and (row_sumsq.dim() != 2 or row_sumsq.shape[0] != x2.shape[0]
+                                  or row_sumsq.dtype != torch.float32 or row_sumsq.stride(-1) != 1):
+        raise ValueError(f"gated_linear: row_sumsq must be contiguous fp32 ({x2.shape[0]}, P), got "
+                         f"{tuple(row_sumsq.shape)} in {row_sumsq.dtype}")
     out = _launch.empty(x2.shape[0], size, dtype=x.dtype, device=x.device)
-    _launch_linear("gated", x2, [w_gate, w_up], None, out, act=ACTIVATIONS[act])
+    _launch_linear("gated", x2, [w_gate, w_up], None, out, act=ACTIVATIONS[act], row_sumsq=row_sumsq, eps=eps)
     return out.reshape(*x.shape[:-1], size)
+
+
+def _check_residual(name: str, x: torch.Tensor, size: int, residual: torch.Tensor) -> None:
+    if residual.shape != (*x.shape[:-1], size) or residual.dtype != x.dtype:
+        raise ValueError(f"{name}: residual must be {(*x.shape[:-1], size)} in {x.dtype}, got "
+                         f"{tuple(residual.shape)} in {residual.dtype}")
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """`residual + x @ weight.T` as a new tensor, rounded once. `x` `(..., K)`, `weight` `(N, K)`, `residual`
     `(..., N)` in `x`'s dtype. An output size that no block of 16 divides runs as `torch.addmm` (the same sum)."""
     size = weight.shape[0]
-    if residual.shape != (*x.shape[:-1], size) or residual.dtype != x.dtype:
-        raise ValueError(f"linear_residual: residual must be {(*x.shape[:-1], size)} in {x.dtype}, got "
-                         f"{tuple(residual.shape)} in {residual.dtype}")
+    _check_residual("linear_residual", x, size, residual)
     x2, res2 = _rows(x), _rows(residual)
     if block_n_for(size) is None:
         return torch.addmm(res2, x2, weight.t()).reshape(residual.shape)
     out = _launch.empty(x2.shape[0], size, dtype=x.dtype, device=x.device)
     _launch_linear("linear", x2, [weight], None, out, residual=res2)
     return out.reshape(residual.shape)
+
+
+def linear_residual_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor):
+    """`h = linear_residual(x, weight, residual)` and what the RMSNorm after it needs, from the same launch:
+    `(h, h * norm_weight, sumsq)`, `sumsq` `(rows, P)` fp32 partial sums of squares of each rounded row of `h`
+    (`sumsq.sum(-1) = (h.float() ** 2).sum(-1)`), for `gated_linear(..., row_sumsq=sumsq)` or
+    `qkv_rope_write(..., row_sumsq=sumsq)`. The output size must share a block of 16 with nothing else."""
+    size = weight.shape[0]
+    _check_residual("linear_residual_norm", x, size, residual)
+    if block_n_for(size) is None or norm_weight.shape != (size,) or norm_weight.stride(-1) != 1:
+        raise ValueError(f"linear_residual_norm: an output size divisible by 16 and a contiguous ({size},) "
+                         f"norm_weight, got {size} and {tuple(norm_weight.shape)}")
+    x2, res2 = _rows(x), _rows(residual)
+    out = _launch.empty(x2.shape[0], size, dtype=x.dtype, device=x.device)
+    scaled = _launch.empty(x2.shape[0], size, dtype=x.dtype, device=x.device)
+    sumsq = _launch_linear("linear", x2, [weight], None, out, residual=res2, norm_out=(norm_weight, scaled))
+    return out.reshape(residual.shape), scaled.reshape(residual.shape), sumsq
 
 
 # As `torch.library` ops with shape-only fakes, so `torch.compile` (`vegas_compile`) traces a step's forward through
@@ -213,13 +287,14 @@ def _(x, w0, w1, w2, b0, b1, b2):
 
 
 @torch.library.custom_op("hf_vegas::gated_linear", mutates_args=())
-def gated_linear_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: str) -> torch.Tensor:
+def gated_linear_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: str,
+                    row_sumsq: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """`gated_linear` as one op."""
-    return gated_linear(x, w_gate, w_up, act)
+    return gated_linear(x, w_gate, w_up, act, row_sumsq, eps)
 
 
 @gated_linear_op.register_fake
-def _(x, w_gate, w_up, act):
+def _(x, w_gate, w_up, act, row_sumsq=None, eps=0.0):
     return x.new_empty(*x.shape[:-1], w_gate.shape[0])
 
 
@@ -232,3 +307,18 @@ def linear_residual_op(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
 @linear_residual_op.register_fake
 def _(x, weight, residual):
     return residual.new_empty(residual.shape)
+
+
+@torch.library.custom_op("hf_vegas::linear_residual_norm", mutates_args=())
+def linear_residual_norm_op(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                            norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`linear_residual_norm` as one op."""
+    return linear_residual_norm(x, weight, residual, norm_weight)
+
+
+@linear_residual_norm_op.register_fake
+def _(x, weight, residual, norm_weight):
+    rows = residual.numel() // residual.shape[-1]
+    blocks = triton.cdiv(weight.shape[0], _column_block("linear", rows, [weight.shape[0]], x.element_size(), x.device))
+    return (residual.new_empty(residual.shape), residual.new_empty(residual.shape),
+            x.new_empty(rows, blocks, dtype=torch.float32))

@@ -305,16 +305,37 @@ GATED_ACTIVATIONS = {
 }
 
 
-def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: str) -> torch.Tensor:
-    """A gated MLP's first half: `act(x @ w_gate.T) * (x @ w_up.T)`."""
+def row_norm_scale(row_sumsq: torch.Tensor, width: int, eps: float) -> torch.Tensor:
+    """RMSNorm's factor `rsqrt(mean(h^2) + eps)` per row `(rows, 1)`, from partial sums of squares `(rows, P)` of
+    rows `h` of `width` values (`linear_residual_norm` writes them)."""
+    return torch.rsqrt(row_sumsq.float().sum(-1, keepdim=True) / width + eps)
+
+
+def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: str, row_sumsq=None,
+                 eps: float = 0.0) -> torch.Tensor:
+    """A gated MLP's first half: `act(x @ w_gate.T) * (x @ w_up.T)`. With `row_sumsq` `(rows, P)`, `x` is an RMSNorm's
+    input times its weight and both products are scaled by the norm's row factor (`row_norm_scale`) first: the MLP
+    of `rms_norm(h, norm_weight, eps)` where `x = h * norm_weight`."""
     linear = torch.nn.functional.linear
-    return GATED_ACTIVATIONS[act](linear(x, w_gate)) * linear(x, w_up)
+    gate, up = linear(x, w_gate), linear(x, w_up)
+    if row_sumsq is not None:
+        scale = row_norm_scale(row_sumsq, x.shape[-1], eps).reshape(*x.shape[:-1], 1)
+        return (GATED_ACTIVATIONS[act](gate.float() * scale) * (up.float() * scale)).to(x.dtype)
+    return GATED_ACTIVATIONS[act](gate) * up
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """`residual + x @ weight.T`, rounded once (as `torch.addmm`, which a fused draft layer used before)."""
     rows = residual.reshape(-1, residual.shape[-1])
     return torch.addmm(rows, x.reshape(-1, x.shape[-1]), weight.t()).reshape(residual.shape)
+
+
+def linear_residual_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor):
+    """`h = linear_residual(x, weight, residual)` with what the RMSNorm after it needs: `(h, h * norm_weight,
+    sumsq)`, `sumsq` `(rows, 1)` fp32 sums of squares of `h`'s rows (the kernel writes partial sums, `(rows, P)`)."""
+    out = linear_residual(x, weight, residual)
+    rows = out.reshape(-1, out.shape[-1]).float()
+    return out, (out.float() * norm_weight.float()).to(out.dtype), rows.pow(2).sum(-1, keepdim=True)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -336,10 +357,14 @@ def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, q_heads: int, kv_heads
 
 
 def qkv_rope_write(x, wq, wk, wv, bq, bk, bv, cos, sin, k_cache, v_cache, slots, q_heads: int, kv_heads: int,
-                   head_dim: int):
+                   head_dim: int, row_sumsq=None, eps: float = 0.0):
     """`rope_write_kv` of the q/k/v projections of `x` `(B, T, K)` (biases `bq`, `bk`, `bv` or None), with the
     projections kept in fp32 until the rotation: writes the keys and values at `slots`, returns the rotated queries
-    `(B, T, Hq, D)` in `x`'s dtype."""
-    biases = None if bq is None else (bq.float(), bk.float(), bv.float())
-    qkv = grouped_linear(x.float(), (wq.float(), wk.float(), wv.float()), biases)
+    `(B, T, Hq, D)` in `x`'s dtype. With `row_sumsq` `(B * T, P)`, `x` is an RMSNorm's input times its weight and the
+    projections (before their biases) are scaled by the norm's row factor, as `gated_linear` scales."""
+    qkv = grouped_linear(x.float(), (wq.float(), wk.float(), wv.float()))
+    if row_sumsq is not None:
+        qkv = qkv * row_norm_scale(row_sumsq, x.shape[-1], eps).reshape(*x.shape[:-1], 1)
+    if bq is not None:
+        qkv = qkv + torch.cat([bq.float(), bk.float(), bv.float()])
     return rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, head_dim).to(x.dtype)

@@ -176,15 +176,17 @@ def _(*args, **kwargs):
 @torch.library.custom_op("hf_vegas::qkv_rope_write", mutates_args=("k_cache", "v_cache"))
 def qkv_rope_write(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, bq: Tensor | None, bk: Tensor | None,
                    bv: Tensor | None, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
-                   q_heads: int, kv_heads: int, head_dim: int) -> Tensor:
-    """Project, rotate and write one forward's keys and values at `slots`, in one launch; returns the rotated
-    queries."""
+                   q_heads: int, kv_heads: int, head_dim: int, row_sumsq: Tensor | None = None,
+                   eps: float = 0.0) -> Tensor:
+    """Project (an RMSNorm folded in, with `row_sumsq`), rotate and write one forward's keys and values at `slots`,
+    in one launch; returns the rotated queries."""
     return qkv_rope.qkv_rope_write(x, wq, wk, wv, bq, bk, bv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads,
-                                   head_dim)
+                                   head_dim, row_sumsq, eps)
 
 
 @qkv_rope_write.register_fake
-def _(x, wq, wk, wv, bq, bk, bv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, head_dim):
+def _(x, wq, wk, wv, bq, bk, bv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, head_dim, row_sumsq=None,
+      eps=0.0):
     return x.new_empty(x.shape[0], x.shape[1], q_heads, head_dim)
 
 

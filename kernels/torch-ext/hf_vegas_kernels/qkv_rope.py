@@ -20,15 +20,17 @@ import triton
 import triton.language as tl
 
 from . import _launch
+from .linear import _row_scale
 
 
 @triton.jit
 def _qkv_rope_write(
-    X, WQ, WK, WV, BQ, BK, BV, Cos, Sin, QOut, KCache, VCache, Slots, M, K, T,
-    stride_xm, stride_wq, stride_wk, stride_wv, stride_cb, stride_ct, stride_sb, stride_st,
+    X, WQ, WK, WV, BQ, BK, BV, Cos, Sin, QOut, KCache, VCache, Slots, SumSq, M, K, T, eps, parts,
+    stride_xm, stride_sm, stride_wq, stride_wk, stride_wv, stride_cb, stride_ct, stride_sb, stride_st,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_slot_b,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    ROW_SCALE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the input is the previous kernel's output
@@ -58,6 +60,9 @@ def _qkv_rope_write(
         acc2 += tl.dot(x, w2.to(x.dtype), input_precision=PRECISION)
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
+    if ROW_SCALE:  # the input was `x * norm_weight`: the RMSNorm's per-row factor scales the projection
+        scale = _row_scale(SumSq, rows, m_ok, K, eps, stride_sm, parts, BLOCK_P)[:, None]
+        acc1, acc2 = acc1 * scale, acc2 * scale
     if HAS_BIAS:
         acc1 += tl.load(B + cols, mask=j_ok, other=0.0).to(tl.float32)[None, :]
         acc2 += tl.load(B + cols + HALF, mask=j_ok, other=0.0).to(tl.float32)[None, :]
@@ -89,10 +94,13 @@ def _qkv_rope_write(
 
 def qkv_rope_write(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, bq, bk, bv,
                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slots: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+                   slots: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, row_sumsq=None,
+                   eps: float = 0.0) -> torch.Tensor:
     """Project `x` `(B, T, K)` with `wq`, `wk`, `wv` (and biases `bq`, `bk`, `bv`, or None), rotate the queries and
     keys by `cos`, `sin` `(B, T, D)`, write the keys and values of token `t` of row `b` into slot `slots[b, t]` of the
-    `(B, S, Hkv, D)` caches (in place) and return the rotated queries `(B, T, Hq, D)`."""
+    `(B, S, Hkv, D)` caches (in place) and return the rotated queries `(B, T, Hq, D)`. With `row_sumsq` `(B * T, P)`
+    (`linear.linear_residual_norm`'s), `x` is an RMSNorm's input times its weight and the norm's row factor scales
+    the projections before their biases (`linear.gated_linear` explains)."""
     batch, tokens, width = x.shape
     if head_dim % 2 or wq.shape != (q_heads * head_dim, width) or wk.shape != (kv_heads * head_dim, width) \
             or wv.shape != wk.shape:
@@ -103,19 +111,26 @@ def qkv_rope_write(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
     if any(t.stride(-1) != 1 for t in (x, wq, wk, wv, cos, sin, slots, k_cache, v_cache)):
         raise ValueError("qkv_rope_write: every tensor needs a contiguous last dimension")
+    if row_sumsq is not None and (row_sumsq.dim() != 2 or row_sumsq.shape[0] != batch * tokens
+                                  or row_sumsq.dtype != torch.float32 or row_sumsq.stride(-1) != 1):
+        raise ValueError(f"qkv_rope_write: row_sumsq must be contiguous fp32 ({batch * tokens}, P), got "
+                         f"{tuple(row_sumsq.shape)} in {row_sumsq.dtype}")
     has_bias = bq is not None
     x2 = x.reshape(batch * tokens, width)
+    sumsq = row_sumsq if row_sumsq is not None else x2
     q = _launch.empty(batch, tokens, q_heads, head_dim, dtype=x.dtype, device=x.device)
     setting = _launch.LINEAR_TUNING["qkv_rope"]
     block_m = min(setting["block_m"], max(16, triton.next_power_of_2(batch * tokens)))
     half = head_dim // 2
     _qkv_rope_write[(q_heads + 2 * kv_heads, triton.cdiv(batch * tokens, block_m))](
-        x2, wq, wk, wv, *((bq, bk, bv) if has_bias else (x2, x2, x2)), cos, sin, q, k_cache, v_cache, slots,
-        batch * tokens, width, tokens, x2.stride(0), wq.stride(0), wk.stride(0), wv.stride(0),
+        x2, wq, wk, wv, *((bq, bk, bv) if has_bias else (x2, x2, x2)), cos, sin, q, k_cache, v_cache, slots, sumsq,
+        batch * tokens, width, tokens, float(eps), sumsq.shape[1], x2.stride(0), sumsq.stride(0), wq.stride(0),
+        wk.stride(0), wv.stride(0),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), slots.stride(0),
-        Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=half, HAS_BIAS=has_bias, BLOCK_M=block_m,
+        Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=half, HAS_BIAS=has_bias,
+        ROW_SCALE=row_sumsq is not None, BLOCK_P=max(2, triton.next_power_of_2(sumsq.shape[1])), BLOCK_M=block_m,
         BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_K=setting["block_k"],
         PRECISION=_launch.dot_precision(x.dtype), USE_GDC=_launch.pdl(x.device), num_warps=setting["num_warps"],
         num_stages=setting["num_stages"], **_launch.pdl_launch(x.device),
