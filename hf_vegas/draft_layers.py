@@ -8,9 +8,9 @@ exactly Llama's runs instead as five kernels (six when the draft attention split
     [input RMSNorm: the first layer only]                   hf_vegas_kernels.rms_norm
     q/k/v projection + rotary embedding + cache write       hf_vegas_kernels.qkv_rope_write
     sparse draft attention                                  hf_vegas_kernels.sparse_draft_attention
-    output projection + residual (+ the next norm's input)  hf_vegas_kernels.linear_residual_norm_op
+    output projection + residual (+ the next norm's input)  hf_vegas_kernels.linear_residual_norm
     gate/up projection + activation                         hf_vegas_kernels.gated_linear_op
-    down projection + residual (+ the next norm's input)    hf_vegas_kernels.linear_residual_norm_op
+    down projection + residual (+ the next norm's input)    hf_vegas_kernels.linear_residual_norm
 
 The RMSNorms ride in the projections: the projection that makes a norm's input `h` also writes `h * norm_weight`
 and each column block's sum of squares of `h`'s rows, and the projection after the norm multiplies `h *
@@ -177,12 +177,12 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
     )
     # Each residual sum is one launch that reads the residual in its epilogue (`torch.addmm` would copy it first),
     # and writes what the norm after it needs.
-    x, scaled, row_sumsq = kernels.linear_residual_norm_op(attn.reshape(batch * tokens, -1), parts.o_weight, x,
+    x, scaled, row_sumsq = kernels.linear_residual_norm(attn.reshape(batch * tokens, -1), parts.o_weight, x,
                                                            parts.norm_post)
     gated = kernels.gated_linear_op(scaled, parts.gate, parts.up, parts.act, row_sumsq, parts.eps_post)
     if parts.next_norm is None:
         return kernels.linear_residual_op(gated, parts.down, x).view(batch, tokens, hidden)
-    out, scaled, row_sumsq = kernels.linear_residual_norm_op(gated, parts.down, x, parts.next_norm[0])
+    out, scaled, row_sumsq = kernels.linear_residual_norm(gated, parts.down, x, parts.next_norm[0])
     out = out.view(batch, tokens, hidden)
     carry[parts.layer_idx + 1] = (out, scaled.view(batch, tokens, hidden), row_sumsq)
     return out

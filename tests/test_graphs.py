@@ -270,7 +270,7 @@ def test_a_moving_gamma_captures_each_arms_steps_once_and_replays_them(monkeypat
     from hf_vegas.config import AUTO_GAMMAS
 
     cycle = [*AUTO_GAMMAS, 0]
-    def observe(self, accepted, timed, remaining=None):
+    def observe(self, accepted, timed, remaining=None, **marks):  # (the arm that ran and its draft's marks)
         self.gamma = cycle[(cycle.index(self.gamma) + 1) % len(cycle)]
 
     monkeypatch.setattr(GammaController, "observe", observe)

@@ -150,8 +150,10 @@ def _opcheck_cases():
         "rms_norm": ((torch.randn(5, 32, device=DEVICE), torch.randn(32, device=DEVICE), 1e-6), {}),
         "linear_residual": ((torch.randn(5, 32, device=DEVICE), torch.randn(48, 32, device=DEVICE),
                              torch.randn(5, 48, device=DEVICE)), {}),
-        "linear_residual_norm": ((torch.randn(5, 32, device=DEVICE), torch.randn(48, 32, device=DEVICE),
-                                  torch.randn(5, 48, device=DEVICE), torch.randn(48, device=DEVICE)), {}),
+        "linear_residual_norm_into": ((torch.randn(5, 32, device=DEVICE), torch.randn(48, 32, device=DEVICE),
+                                       torch.randn(5, 48, device=DEVICE), torch.randn(48, device=DEVICE),
+                                       torch.empty(5, 48, device=DEVICE), torch.empty(5, 48, device=DEVICE),
+                                       torch.empty(5, kernels.linear.norm_partials(5, 48, key), device=DEVICE)), {}),
         "gated_linear": ((torch.randn(5, 32, device=DEVICE), torch.randn(48, 32, device=DEVICE),
                           torch.randn(48, 32, device=DEVICE), "silu", torch.rand(5, 3, device=DEVICE), 1e-6), {}),
         "qkv_rope_write": ((torch.randn(2, 1, 40, device=DEVICE), torch.randn(128, 40, device=DEVICE),
@@ -163,7 +165,7 @@ def _opcheck_cases():
 
 @pytest.mark.parametrize("name", ["sparse_draft_attention", "dense_attention", "verify_attention", "finalize_scores",
                                   "select_topk", "write_kv", "rms_norm", "linear_residual",
-                                  "linear_residual_norm", "gated_linear", "qkv_rope_write"])
+                                  "linear_residual_norm_into", "gated_linear", "qkv_rope_write"])
 def test_custom_ops_have_true_fakes_and_declared_mutations(name):
     """Checks the schema (mutations declared are the mutations made), the fake against the real op, and tracing."""
     op = getattr(torch.ops.hf_vegas, name).default

@@ -85,7 +85,7 @@ def test_linear_residual_norm_writes_what_the_next_norm_needs(rows, poison):
     weight = torch.randn(48, 96, generator=gen).to(DEVICE) / 8
     residual = torch.randn(rows, 48, generator=gen).to(DEVICE)
     norm_weight = torch.randn(48, generator=gen).to(DEVICE)
-    out, scaled, sumsq = kernels.linear_residual_norm_op(x, weight, residual, norm_weight)
+    out, scaled, sumsq = kernels.linear_residual_norm(x, weight, residual, norm_weight)
     want_out, want_scaled, want_sumsq = naive.linear_residual_norm(x, weight, residual, norm_weight)
     assert_fp32_close(out, want_out)
     assert_fp32_close(scaled, want_scaled)

@@ -164,8 +164,8 @@ def _column_block(kind: str, rows: int, sizes: list[int], element_bytes: int, de
 def _launch_linear(kind, x2, weights, biases, out, act=0, residual=None, row_sumsq=None, eps=0.0, norm_out=None):
     """One launch of `_grouped_linear` over 1 to 3 weights (gated: gate and up) into `out` (plus `residual`, rows
     like `out`, for one weight). `row_sumsq` `(M, P)` (gated): the input is `x * norm_weight` and these partial sums
-    of squares give the RMSNorm's row factor. `norm_out` `(norm_weight, scaled)` (with `residual`): also write
-    `out * norm_weight` into `scaled`, and return each column block's sums of squares `(M, blocks)` (else None)."""
+    of squares give the RMSNorm's row factor. `norm_out` `(norm_weight, scaled, sumsq)` (with `residual`): also write
+    `out * norm_weight` into `scaled` and each column block's sums of squares into `sumsq` `(M, blocks)`."""
     sizes = [w.shape[0] for w in weights]
     setting = _setting(kind, x2.shape[0], sizes, x2.element_size())
     block_n = _column_block(kind, x2.shape[0], sizes, x2.element_size(), x2.device)
@@ -174,9 +174,7 @@ def _launch_linear(kind, x2, weights, biases, out, act=0, residual=None, row_sum
     padded = weights + [weights[0]] * (3 - len(weights))
     has_bias = biases is not None and biases[0] is not None
     bias = (list(biases) if has_bias else [x2] * len(weights)) + [x2] * (3 - len(weights))
-    sumsq_out = None if norm_out is None else _launch.empty(x2.shape[0], triton.cdiv(out_cols, block_n),
-                                                            dtype=torch.float32, device=x2.device)
-    norm_weight, scaled = norm_out if norm_out is not None else (x2, out)
+    norm_weight, scaled, sumsq_out = norm_out if norm_out is not None else (x2, out, None)
     sumsq_in = row_sumsq if row_sumsq is not None else out
     _grouped_linear[(triton.cdiv(out_cols, block_n), triton.cdiv(x2.shape[0], setting["block_m"]))](
         x2, *padded, *bias, out if residual is None else residual, out, sumsq_in, norm_weight, scaled,
@@ -192,7 +190,6 @@ def _launch_linear(kind, x2, weights, biases, out, act=0, residual=None, row_sum
         PRECISION=_launch.dot_precision(x2.dtype), USE_GDC=_launch.pdl(x2.device), num_warps=setting["num_warps"],
         num_stages=setting["num_stages"], **_launch.pdl_launch(x2.device),
     )
-    return sumsq_out
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -255,21 +252,32 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     return out.reshape(residual.shape)
 
 
+def norm_partials(rows: int, size: int, x: torch.Tensor) -> int:
+    """Partial sums of squares per row that `linear_residual_norm` writes for `rows` outputs of `size` from `x`'s
+    dtype and device: one per column block."""
+    return triton.cdiv(size, _column_block("linear", rows, [size], x.element_size(), x.device))
+
+
 def linear_residual_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor):
     """`h = linear_residual(x, weight, residual)` and what the RMSNorm after it needs, from the same launch:
     `(h, h * norm_weight, sumsq)`, `sumsq` `(rows, P)` fp32 partial sums of squares of each rounded row of `h`
     (`sumsq.sum(-1) = (h.float() ** 2).sum(-1)`), for `gated_linear(..., row_sumsq=sumsq)` or
-    `qkv_rope_write(..., row_sumsq=sumsq)`. The output size must share a block of 16 with nothing else."""
+    `qkv_rope_write(..., row_sumsq=sumsq)`. The output size must be a multiple of 16.
+
+    The launch is the op `linear_residual_norm_into`, which writes the three buffers allocated here: a compiled
+    forward chains it layer after layer, and an op with several outputs in that chain makes inductor print each
+    output's whole history (exponential in the depth) while compiling."""
     size = weight.shape[0]
     _check_residual("linear_residual_norm", x, size, residual)
     if block_n_for(size) is None or norm_weight.shape != (size,) or norm_weight.stride(-1) != 1:
         raise ValueError(f"linear_residual_norm: an output size divisible by 16 and a contiguous ({size},) "
                          f"norm_weight, got {size} and {tuple(norm_weight.shape)}")
-    x2, res2 = _rows(x), _rows(residual)
-    out = _launch.empty(x2.shape[0], size, dtype=x.dtype, device=x.device)
-    scaled = _launch.empty(x2.shape[0], size, dtype=x.dtype, device=x.device)
-    sumsq = _launch_linear("linear", x2, [weight], None, out, residual=res2, norm_out=(norm_weight, scaled))
-    return out.reshape(residual.shape), scaled.reshape(residual.shape), sumsq
+    rows = residual.numel() // size
+    out = _launch.empty(*residual.shape, dtype=x.dtype, device=x.device)
+    scaled = _launch.empty(*residual.shape, dtype=x.dtype, device=x.device)
+    sumsq = _launch.empty(rows, norm_partials(rows, size, x), dtype=torch.float32, device=x.device)
+    linear_residual_norm_into(x, weight, residual, norm_weight, out, scaled, sumsq)
+    return out, scaled, sumsq
 
 
 # As `torch.library` ops with shape-only fakes, so `torch.compile` (`vegas_compile`) traces a step's forward through
@@ -309,16 +317,15 @@ def _(x, weight, residual):
     return residual.new_empty(residual.shape)
 
 
-@torch.library.custom_op("hf_vegas::linear_residual_norm", mutates_args=())
-def linear_residual_norm_op(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                            norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`linear_residual_norm` as one op."""
-    return linear_residual_norm(x, weight, residual, norm_weight)
+@torch.library.custom_op("hf_vegas::linear_residual_norm_into", mutates_args=("out", "scaled", "sumsq"))
+def linear_residual_norm_into(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                              out: torch.Tensor, scaled: torch.Tensor, sumsq: torch.Tensor) -> None:
+    """`linear_residual_norm`'s launch, into its buffers."""
+    size = weight.shape[0]
+    _launch_linear("linear", _rows(x), [weight], None, out.view(-1, size), residual=_rows(residual),
+                   norm_out=(norm_weight, scaled.view(-1, size), sumsq))
 
 
-@linear_residual_norm_op.register_fake
-def _(x, weight, residual, norm_weight):
-    rows = residual.numel() // residual.shape[-1]
-    blocks = triton.cdiv(weight.shape[0], _column_block("linear", rows, [weight.shape[0]], x.element_size(), x.device))
-    return (residual.new_empty(residual.shape), residual.new_empty(residual.shape),
-            x.new_empty(rows, blocks, dtype=torch.float32))
+@linear_residual_norm_into.register_fake
+def _(*args):
+    return None
