@@ -7,17 +7,15 @@ weights is made, so the model is untouched and no memory is added):
 
 - `grouped_linear(x, (w0, w1, w2), biases)` = `cat([x @ w0.T + b0, x @ w1.T + b1, x @ w2.T + b2], -1)`;
 - `gated_linear(x, w_gate, w_up, act)` = `act(x @ w_gate.T) * (x @ w_up.T)`, `act` "silu" or "gelu_tanh";
-- `linear_residual(x, w, residual)` = `residual + x @ w.T`, the residual read in the epilogue.
-
-A single small projection in one such launch is no faster than cuBLAS (SmolLM2's output and down projections at 64
-rows took 3.3 and 5.0 us against cuBLAS' 3.6 and 5.0, `benchmarks/projections.py --sweep`). With the residual it is:
-a compiled draft layer's `torch.addmm(residual, ...)` is a copy of the residual into the output (a `memcpy` launch
-of ~1.2 us) before the GEMM, twice per layer (the in-place `addmm_` is functionalised into the same pair), where
-`linear_residual` is one launch.
+- `linear_residual(x, w, residual)` = `residual + x @ w.T`, the residual read in the epilogue (a compiled
+  `torch.addmm(residual, ...)` is a copy of the residual, then the GEMM: two launches);
+- `linear_residual_norm(x, w, residual, norm_weight)`: the same, and for the RMSNorm after it `h * norm_weight` and
+  per-block sums of squares of `h`, which `gated_linear` / `qkv_rope.qkv_rope_write` turn into the norm's row
+  factor (`row_sumsq`): a fused draft layer's norms need no launch of their own (`hf_vegas.draft_layers`).
 
 A program owns `BLOCK_M` rows and `BLOCK_N` output columns that all lie in one weight (segment sizes are multiples
 of `BLOCK_N`), and accumulates in fp32. Block sizes, warps and stages per op: `_launch.LINEAR_TUNING`.
-Semantics: `naive.grouped_linear` / `gated_linear`.
+Semantics: `naive.grouped_linear` / `gated_linear` / `linear_residual` / `linear_residual_norm`.
 """
 
 from __future__ import annotations
