@@ -17,8 +17,11 @@ and each column block's sum of squares of `h`'s rows, and the projection after t
 norm_weight` and scales its products by `rsqrt(mean(h^2) + eps)` per row. (Folding the whole norm into the consumer
 was slower: every program must first read its rows' squares, and scaling the input tile in registers keeps it from
 streaming into the product.) The next layer's input norm is handed from one layer's last projection to the next
-layer's first through `carry`, and taken only when the next layer receives exactly the tensor this one returned
-(anything the decoder does between layers makes it fall back to its own norm launch).
+layer's first through `carry`, and taken only when the next layer receives the very tensor this one returned: a
+decoder that passes another tensor between layers gets its own norm launch back. (One that changed that tensor in
+place would go unnoticed; Llama's and its kin's decoders do not, and a wrong draft input would cost acceptance only,
+never a token.) In fp16, whose range `h * norm_weight` could exceed where the normalised value would not, and at a
+hidden size no block of 16 divides, the norms stay launches of their own (seven kernels per layer).
 
 (Before, the projection and the rotary embedding were two launches, and each residual sum was cuBLAS' `addmm`,
 which a compiled step runs as a copy of the residual and the GEMM: eleven kernels per layer; then seven, with the
@@ -93,6 +96,7 @@ class _Parts:
     head_dim: int
     scaling: float
     max_rows: int  # the largest draft forward the fused kernels pay for (`fused_projections._max_rows`)
+    fold_norms: bool  # the norms ride in the projections (else: launches of their own)
     next_norm: tuple[torch.Tensor, float] | None = None  # the next fused layer's input norm (weight, eps)
 
 
@@ -137,6 +141,7 @@ def layer_parts(layer) -> _Parts | None:
         down=mlp.down_proj.weight, act=act, norm_post=norms[1].weight, eps_post=norms[1].variance_epsilon,
         q_heads=q.out_features // head_dim, kv_heads=k.out_features // head_dim, head_dim=head_dim,
         scaling=attn.scaling, max_rows=min(_max_rows(q, k, v), _max_rows(mlp.gate_proj, mlp.up_proj)),
+        fold_norms=q.weight.dtype != torch.float16 and linear.block_n_for(o.out_features) is not None,
     )
 
 
@@ -177,8 +182,13 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
     )
     # Each residual sum is one launch that reads the residual in its epilogue (`torch.addmm` would copy it first),
     # and writes what the norm after it needs.
-    x, scaled, row_sumsq = kernels.linear_residual_norm(attn.reshape(batch * tokens, -1), parts.o_weight, x,
-                                                           parts.norm_post)
+    attn = attn.reshape(batch * tokens, -1)
+    if not parts.fold_norms:
+        x = kernels.linear_residual_op(attn, parts.o_weight, x)
+        gated = kernels.gated_linear_op(kernels.rms_norm(x, parts.norm_post, parts.eps_post), parts.gate, parts.up,
+                                        parts.act)
+        return kernels.linear_residual_op(gated, parts.down, x).view(batch, tokens, hidden)
+    x, scaled, row_sumsq = kernels.linear_residual_norm(attn, parts.o_weight, x, parts.norm_post)
     gated = kernels.gated_linear_op(scaled, parts.gate, parts.up, parts.act, row_sumsq, parts.eps_post)
     if parts.next_norm is None:
         return kernels.linear_residual_op(gated, parts.down, x).view(batch, tokens, hidden)
@@ -189,10 +199,12 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
 
 
 def _link_norms(decoder, parts: dict) -> None:
-    """Each fused layer of `decoder.layers` whose successor is fused too writes that layer's norm input."""
+    """Each fused layer of `decoder.layers` whose successor is fused too (both folding their norms) writes that
+    layer's norm input."""
     layers = list(getattr(decoder, "layers", []))
     for layer, following in zip(layers, layers[1:]):
-        if layer in parts and following in parts and parts[following].layer_idx == parts[layer].layer_idx + 1:
+        if layer in parts and following in parts and parts[following].layer_idx == parts[layer].layer_idx + 1 \
+                and parts[layer].fold_norms and parts[following].fold_norms:
             parts[layer] = dataclasses.replace(parts[layer], next_norm=(parts[following].norm_in,
                                                                        parts[following].eps_in))
 
@@ -213,6 +225,7 @@ def fused_draft_layers(model, cache):
             def forward(hidden_states, *args, _layer=layer, _parts=parts, _standard=standard, **kwargs):
                 if _applies(_parts, cache, hidden_states, args, kwargs):
                     return _draft_forward(_parts, cache, hidden_states, kwargs["position_embeddings"], carry)
+                carry.pop(_parts.layer_idx, None)  # a norm input handed to this layer, unused, is not kept
                 return _standard(_layer, hidden_states, *args, **kwargs)
 
             layer.forward = forward

@@ -1,5 +1,5 @@
 """Fused draft layers: which layers fuse, the same draft step as the model's own layers, and generation that stays
-vanilla's. Their kernels' own tests: `kernels/tests/test_kernels_norm_rope.py`."""
+vanilla's. Their kernels' own tests: `kernels/tests/test_kernels_norm_rope.py` and `test_kernels_linear.py`."""
 
 import contextlib
 
@@ -18,6 +18,17 @@ from kernel_cases import DEVICE, NAN, assert_fp32_close, import_kernels
 from tiny_models import ragged_batch, tiny_model
 
 kernels = import_kernels()
+
+
+def _random_norms(model):
+    """Distinct norm weights and epsilons in every layer (a tiny model's norms are all ones with one eps), so a norm
+    wired to the wrong layer or the wrong input shows."""
+    gen = torch.Generator().manual_seed(5)
+    for i, layer in enumerate(model.model.layers):
+        for j, norm in enumerate((layer.input_layernorm, layer.post_attention_layernorm)):
+            norm.weight.data = (torch.rand(norm.weight.shape, generator=gen) + 0.5).to(norm.weight)
+            norm.variance_epsilon = 10.0 ** -(2 + 2 * j + i % 3)
+    return model
 
 
 def test_llama_layers_fuse_and_the_others_keep_their_forward():
@@ -71,7 +82,7 @@ def test_the_model_is_restored_after_an_exception():
 def test_a_fused_draft_step_computes_what_the_model_s_layers_compute():
     """One draft step over the same cache and selection, through the model's own layers and through the fused ones:
     the same logits (fp32, up to summation order) and the same keys and values written."""
-    model = tiny_model("llama").to(DEVICE)
+    model = _random_norms(tiny_model("llama")).to(DEVICE)
     ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
     config = VegasConfig(gamma=2, sparsity=0.3, min_tokens=4, backend="triton", cuda_graphs=False)
     cache = VegasCache(model.config, 2, 40, config, device=DEVICE, backend="triton")
@@ -118,7 +129,7 @@ def _draft_step(model, ids, mask, fused: bool, compile_with=None):
 def test_each_layer_hands_the_next_its_norm_input(monkeypatch):
     """The input norm runs as a launch of its own in the first layer only, in eager and compiled steps (each later
     norm rides in the projections); a decoder that changes the hidden states between layers gets its norms back."""
-    model = tiny_model("llama").to(DEVICE)
+    model = _random_norms(tiny_model("llama")).to(DEVICE)
     ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
     want = _draft_step(model, ids, mask, fused=False)
     norms = []
@@ -148,6 +159,30 @@ def test_each_layer_hands_the_next_its_norm_input(monkeypatch):
     assert len(norms) == model.config.num_hidden_layers
 
 
+def test_norms_stay_launches_in_fp16_and_at_widths_no_block_divides(monkeypatch):
+    """A hidden size of 72 (no block of 16) and fp16 (whose range `h * norm_weight` could exceed) keep each norm a
+    launch of its own: the draft step is still the model's, and generation vanilla's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=72, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    wide = _random_norms(LlamaForCausalLM(config).eval()).to(DEVICE)
+    assert not layer_parts(wide.model.layers[0]).fold_norms
+    assert not layer_parts(tiny_model("llama").half().model.layers[0]).fold_norms
+    assert layer_parts(tiny_model("llama").bfloat16().model.layers[0]).fold_norms
+    ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
+    norms = []
+    original = kernels.rms_norm
+    monkeypatch.setattr(kernels, "rms_norm", lambda *args: norms.append(1) or original(*args))
+    assert_fp32_close(_draft_step(wide, ids, mask, fused=True), _draft_step(wide, ids, mask, fused=False))
+    assert len(norms) == 2 * config.num_hidden_layers
+    common = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    vegas = wide.generate(ids, **common, custom_generate="vegas", vegas_backend="triton", vegas_cuda_graphs=False,
+                          vegas_gamma=2, vegas_sparsity=0.3, vegas_min_tokens=4)
+    assert torch.equal(vegas, wide.generate(ids, **common))
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_generation_with_fused_draft_layers_accepts_what_the_model_s_layers_accept(monkeypatch, do_sample):
     """In fp32 the fused drafts differ from the model's own by rounding only: greedy accepts the same drafts, and
@@ -156,7 +191,7 @@ def test_generation_with_fused_draft_layers_accepts_what_the_model_s_layers_acce
     calls = []
     original = kernels.qkv_rope_write
     monkeypatch.setattr(kernels, "qkv_rope_write", lambda *args: calls.append(1) or original(*args))
-    model = tiny_model("llama").to(DEVICE)
+    model = _random_norms(tiny_model("llama")).to(DEVICE)
     ids, mask = (t.to(DEVICE) for t in ragged_batch([30, 21]))
     common = dict(attention_mask=mask, max_new_tokens=8, do_sample=do_sample, pad_token_id=0, top_k=0,
                   custom_generate="vegas", vegas_backend="triton", vegas_cuda_graphs=False, vegas_gamma=3,

@@ -159,7 +159,8 @@ def _opcheck_cases():
         "qkv_rope_write": ((torch.randn(2, 1, 40, device=DEVICE), torch.randn(128, 40, device=DEVICE),
                             torch.randn(64, 40, device=DEVICE), torch.randn(64, 40, device=DEVICE), None, None, None,
                             torch.rand(2, 1, 32, device=DEVICE), torch.rand(2, 1, 32, device=DEVICE),
-                            case.k.clone(), case.v.clone(), case.q_slot[:, :1].contiguous(), 4, 2, 32), {}),
+                            case.k.clone(), case.v.clone(), case.q_slot[:, :1].contiguous(), 4, 2, 32),
+                           dict(row_sumsq=torch.rand(2, 3, device=DEVICE), eps=1e-6)),
     }
 
 

@@ -40,6 +40,15 @@ def test_linear_kernels_under_other_launch_settings(monkeypatch, setting):
     gate, up = (torch.randn(128, 96, generator=gen).to(DEVICE) for _ in range(2))
     assert_fp32_close(kernels.gated_linear(x, gate, up, "silu"), naive.gated_linear(x, gate, up, "silu"))
     assert_fp32_close(kernels.grouped_linear(x, [gate]), naive.grouped_linear(x, [gate]))
+    # The norm's partial sums: as many as this setting's column blocks, each written, summing to the row's squares.
+    residual, norm_weight = torch.randn(50, 96, generator=gen).to(DEVICE), torch.rand(96, generator=gen).to(DEVICE)
+    w_o = torch.randn(96, 96, generator=gen).to(DEVICE) / 8
+    h, scaled, sumsq = kernels.linear_residual_norm(x, w_o, residual, norm_weight)
+    assert sumsq.shape == (50, 96 // linear.block_n_for(96, widest=setting["block_n"]))
+    want_h, want_scaled, want_sumsq = naive.linear_residual_norm(x, w_o, residual, norm_weight)
+    assert_fp32_close(sumsq.sum(-1, keepdim=True), want_sumsq)
+    assert_fp32_close(kernels.gated_linear(scaled, gate[:, :96], up[:, :96], "silu", sumsq, 1e-5),
+                      naive.gated_linear(naive.rms_norm(want_h, norm_weight, 1e-5), gate[:, :96], up[:, :96], "silu"))
 
 
 @pytest.mark.parametrize("rows", [1, 7, 70])
@@ -93,6 +102,9 @@ def test_linear_residual_norm_writes_what_the_next_norm_needs(rows, poison):
     assert_fp32_close(sumsq.sum(-1, keepdim=True), want_sumsq)
     with pytest.raises(ValueError, match="norm_weight"):
         kernels.linear_residual_norm(x, weight, residual, norm_weight[:16])
+    with pytest.raises(ValueError, match="sumsq contiguous fp32"):  # a partial count the launch would not fill
+        kernels.linear_residual_norm_into(x, weight, residual, norm_weight, out.clone(), scaled.clone(),
+                                          torch.zeros(rows, sumsq.shape[1] + 1, device=DEVICE))
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])

@@ -1,9 +1,10 @@
 """hf_vegas_kernels: the ops of hf_vegas, each in plain PyTorch (`naive`, the contract) and in Triton beside it (sparse
 draft attention, verification attention with fused Collect-2-Query logits, top-k selection, top-p filtering, the
 draft token's race, the cache write, one-launch decode projections, RMSNorm, and for fused draft layers the q/k/v
-projection with its rotary embedding and cache write, and the output projections with their residual). Each Triton op
-takes its naive op's signature; those a model forward calls are `torch.library` custom ops (`ops.py`), which
-`torch.compile` traces through.
+projection with its rotary embedding and cache write, and the output projections with their residual and the next
+RMSNorm's input). Each Triton op takes its naive op's signature, but `linear_residual_norm_into`, the launch of
+`linear_residual_norm` into buffers it is given; those a model forward calls are `torch.library` custom ops
+(`ops.py`, `linear.py`), which `torch.compile` traces through.
 
 `import hf_vegas_kernels` and `naive` need only torch: the Triton modules load on first use of one of their ops
 (`hf_vegas_kernels.dense_attention`), so a machine without Triton still has the contract, and a broken Triton install

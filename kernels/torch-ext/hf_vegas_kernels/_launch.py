@@ -68,9 +68,9 @@ LINEAR_TUNED_ROWS = 64
 # 30 layers' top-k took 256 us with 4 warps, 371 with 8 and 373 with 2. The benchmark overrides it to sweep.
 SELECT_TUNING = {"num_warps": 0}
 
-# Programmatic dependent launch (Hopper and later): a kernel of a step's chain (norm, projections, attention) is
+# Programmatic dependent launch (Hopper and later): a kernel of a step's chain (projections, attention, norm) is
 # launched while the one before it finishes, waits for it (`griddepcontrol.wait`) before reading anything, and lets
-# the next one launch once its main loop is done, so the launch latency between the ~7 small kernels of a draft
+# the next one launch once its main loop is done, so the launch latency between the five small kernels of a draft
 # layer overlaps the previous kernel's tail. Every such kernel waits, unconditionally, before its first load, and
 # triggers only after it has waited: completion is transitive, so a kernel may read what one several launches back
 # wrote. The benchmarks switch it off (`--tuning pdl:enabled=0`) to measure it.

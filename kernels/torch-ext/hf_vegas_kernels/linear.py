@@ -318,8 +318,16 @@ def _(x, weight, residual):
 @torch.library.custom_op("hf_vegas::linear_residual_norm_into", mutates_args=("out", "scaled", "sumsq"))
 def linear_residual_norm_into(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                               out: torch.Tensor, scaled: torch.Tensor, sumsq: torch.Tensor) -> None:
-    """`linear_residual_norm`'s launch, into its buffers."""
+    """`linear_residual_norm`'s launch, into its buffers: `out` and `scaled` like `residual`, `sumsq` contiguous
+    fp32 `(rows, norm_partials(rows, size, x))` (the column blocks of this launch's setting)."""
     size = weight.shape[0]
+    rows = residual.numel() // size
+    parts = norm_partials(rows, size, x)
+    if out.shape != residual.shape or scaled.shape != residual.shape or sumsq.shape != (rows, parts) \
+            or sumsq.dtype != torch.float32 or not sumsq.is_contiguous():
+        raise ValueError(f"linear_residual_norm_into: out and scaled must be {tuple(residual.shape)} and sumsq "
+                         f"contiguous fp32 ({rows}, {parts}), got {tuple(out.shape)}, {tuple(scaled.shape)}, "
+                         f"{tuple(sumsq.shape)} in {sumsq.dtype}")
     _launch_linear("linear", _rows(x), [weight], None, out.view(-1, size), residual=_rows(residual),
                    norm_out=(norm_weight, scaled.view(-1, size), sumsq))
 

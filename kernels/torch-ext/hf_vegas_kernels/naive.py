@@ -317,11 +317,11 @@ def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act:
     input times its weight and both products are scaled by the norm's row factor (`row_norm_scale`) first: the MLP
     of `rms_norm(h, norm_weight, eps)` where `x = h * norm_weight`."""
     linear = torch.nn.functional.linear
-    gate, up = linear(x, w_gate), linear(x, w_up)
-    if row_sumsq is not None:
+    if row_sumsq is not None:  # products kept in fp32 until the scale, as the kernel keeps them
         scale = row_norm_scale(row_sumsq, x.shape[-1], eps).reshape(*x.shape[:-1], 1)
-        return (GATED_ACTIVATIONS[act](gate.float() * scale) * (up.float() * scale)).to(x.dtype)
-    return GATED_ACTIVATIONS[act](gate) * up
+        gate, up = (linear(x.float(), w.float()) * scale for w in (w_gate, w_up))
+        return (GATED_ACTIVATIONS[act](gate) * up).to(x.dtype)
+    return GATED_ACTIVATIONS[act](linear(x, w_gate)) * linear(x, w_up)
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,12 @@
-"""Llama's RMSNorm in one launch, for a fused draft layer (`hf_vegas.draft_layers`).
+"""Llama's RMSNorm in one launch, for a fused draft layer (`hf_vegas.draft_layers`): the first layer's input norm, and
+every norm where they cannot ride in the projections (fp16, or a hidden size no block of 16 divides).
 
-Uncompiled, the model's own RMSNorm is six small PyTorch kernels (compiled, one inductor kernel). Folding the norm
-into the projection kernels instead was measured slower on an H100 (SmolLM2 draft step, 64 rows: the q/k/v and
-gate/up launches went from 4.3 to 11.7 us each, as the scaled input tile no longer streams straight into the
-product). One program normalises `BLOCK_M` rows in fp32 and rounds once. Semantics: `naive.rms_norm`.
+Uncompiled, the model's own RMSNorm is six small PyTorch kernels (compiled, one inductor kernel). Elsewhere a fused
+layer's norms ride in the projections around them (`linear.linear_residual_norm`: the projection before writes the
+norm's input times its weight and the sums of squares, the one after scales its products per row). Folding the whole
+norm into the projection after it was measured slower on an H100 (SmolLM2 draft step, 64 rows: the q/k/v and gate/up
+launches went from 4.3 to 11.7 us each, as the input tile, scaled in registers, no longer streams into the product).
+One program normalises `BLOCK_M` rows in fp32 and rounds once. Semantics: `naive.rms_norm`.
 """
 
 from __future__ import annotations

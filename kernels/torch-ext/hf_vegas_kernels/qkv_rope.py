@@ -117,7 +117,7 @@ def qkv_rope_write(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
                          f"{tuple(row_sumsq.shape)} in {row_sumsq.dtype}")
     has_bias = bq is not None
     x2 = x.reshape(batch * tokens, width)
-    sumsq = row_sumsq if row_sumsq is not None else x2
+    sumsq = row_sumsq if row_sumsq is not None else x2[:, :1]  # (unread without the row scale)
     q = _launch.empty(batch, tokens, q_heads, head_dim, dtype=x.dtype, device=x.device)
     setting = _launch.LINEAR_TUNING["qkv_rope"]
     block_m = min(setting["block_m"], max(16, triton.next_power_of_2(batch * tokens)))
