@@ -183,14 +183,14 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
     # Each residual sum is one launch that reads the residual in its epilogue (`torch.addmm` would copy it first),
     # and writes what the norm after it needs.
     attn = attn.reshape(batch * tokens, -1)
-    if not parts.fold_norms:
+    if parts.fold_norms:
+        x, scaled, row_sumsq = kernels.linear_residual_norm(attn, parts.o_weight, x, parts.norm_post)
+        gated = kernels.gated_linear_op(scaled, parts.gate, parts.up, parts.act, row_sumsq, parts.eps_post)
+    else:
         x = kernels.linear_residual_op(attn, parts.o_weight, x)
         gated = kernels.gated_linear_op(kernels.rms_norm(x, parts.norm_post, parts.eps_post), parts.gate, parts.up,
                                         parts.act)
-        return kernels.linear_residual_op(gated, parts.down, x).view(batch, tokens, hidden)
-    x, scaled, row_sumsq = kernels.linear_residual_norm(attn, parts.o_weight, x, parts.norm_post)
-    gated = kernels.gated_linear_op(scaled, parts.gate, parts.up, parts.act, row_sumsq, parts.eps_post)
-    if parts.next_norm is None:
+    if parts.next_norm is None:  # (always, without fold_norms: `_link_norms`)
         return kernels.linear_residual_op(gated, parts.down, x).view(batch, tokens, hidden)
     out, scaled, row_sumsq = kernels.linear_residual_norm(gated, parts.down, x, parts.next_norm[0])
     out = out.view(batch, tokens, hidden)

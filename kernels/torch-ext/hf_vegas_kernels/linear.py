@@ -152,11 +152,19 @@ def _setting(kind: str, rows: int, sizes: list[int], element_bytes: int) -> dict
     return setting
 
 
-def _column_block(kind: str, rows: int, sizes: list[int], element_bytes: int, device: torch.device) -> int:
+def _column_block(setting: dict, sizes: list[int], device: torch.device) -> int:
     # Triton's CPU interpreter (tests) pays per program: there the widest column block that fits, not the GPU's.
     if device.type != "cuda" and INTERPRETER_BLOCK_N:
         return block_n_for(*sizes, widest=INTERPRETER_BLOCK_N)
-    return _setting(kind, rows, sizes, element_bytes)["block_n"]
+    return setting["block_n"]
+
+
+def check_row_sumsq(name: str, row_sumsq, rows: int) -> None:
+    """A consumer's `row_sumsq` (`linear_residual_norm`'s partial sums): contiguous fp32 `(rows, P)`, or None."""
+    if row_sumsq is not None and (row_sumsq.dim() != 2 or row_sumsq.shape[0] != rows
+                                  or row_sumsq.dtype != torch.float32 or row_sumsq.stride(-1) != 1):
+        raise ValueError(f"{name}: row_sumsq must be contiguous fp32 ({rows}, P), got {tuple(row_sumsq.shape)} in "
+                         f"{row_sumsq.dtype}")
 
 
 def _launch_linear(kind, x2, weights, biases, out, act=0, residual=None, row_sumsq=None, eps=0.0, norm_out=None):
@@ -166,7 +174,7 @@ def _launch_linear(kind, x2, weights, biases, out, act=0, residual=None, row_sum
     `out * norm_weight` into `scaled` and each column block's sums of squares into `sumsq` `(M, blocks)`."""
     sizes = [w.shape[0] for w in weights]
     setting = _setting(kind, x2.shape[0], sizes, x2.element_size())
-    block_n = _column_block(kind, x2.shape[0], sizes, x2.element_size(), x2.device)
+    block_n = _column_block(setting, sizes, x2.device)
     gated = kind == "gated"
     out_cols = sizes[0] if gated else sum(sizes)
     padded = weights + [weights[0]] * (3 - len(weights))
@@ -222,10 +230,7 @@ def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act:
             f"gated_linear: gate and up must have one size, a multiple of 16; got {size}, {w_up.shape[0]}"
         )
     x2 = _rows(x)
-    if row_sumsq is not None and (row_sumsq.dim() != 2 or row_sumsq.shape[0] != x2.shape[0]
-                                  or row_sumsq.dtype != torch.float32 or row_sumsq.stride(-1) != 1):
-        raise ValueError(f"gated_linear: row_sumsq must be contiguous fp32 ({x2.shape[0]}, P), got "
-                         f"{tuple(row_sumsq.shape)} in {row_sumsq.dtype}")
+    check_row_sumsq("gated_linear", row_sumsq, x2.shape[0])
     out = _launch.empty(x2.shape[0], size, dtype=x.dtype, device=x.device)
     _launch_linear("gated", x2, [w_gate, w_up], None, out, act=ACTIVATIONS[act], row_sumsq=row_sumsq, eps=eps)
     return out.reshape(*x.shape[:-1], size)
@@ -253,7 +258,7 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
 def norm_partials(rows: int, size: int, x: torch.Tensor) -> int:
     """Partial sums of squares per row that `linear_residual_norm` writes for `rows` outputs of `size` from `x`'s
     dtype and device: one per column block."""
-    return triton.cdiv(size, _column_block("linear", rows, [size], x.element_size(), x.device))
+    return triton.cdiv(size, _column_block(_setting("linear", rows, [size], x.element_size()), [size], x.device))
 
 
 def linear_residual_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor):

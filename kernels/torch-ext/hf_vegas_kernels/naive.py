@@ -334,8 +334,8 @@ def linear_residual_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.
     """`h = linear_residual(x, weight, residual)` with what the RMSNorm after it needs: `(h, h * norm_weight,
     sumsq)`, `sumsq` `(rows, 1)` fp32 sums of squares of `h`'s rows (the kernel writes partial sums, `(rows, P)`)."""
     out = linear_residual(x, weight, residual)
-    rows = out.reshape(-1, out.shape[-1]).float()
-    return out, (out.float() * norm_weight.float()).to(out.dtype), rows.pow(2).sum(-1, keepdim=True)
+    flat = out.reshape(-1, out.shape[-1]).float()
+    return out, (out.float() * norm_weight.float()).to(out.dtype), flat.pow(2).sum(-1, keepdim=True)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from .linear import _row_scale
+from .linear import _row_scale, check_row_sumsq
 
 
 @triton.jit
@@ -111,10 +111,7 @@ def qkv_rope_write(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
     if any(t.stride(-1) != 1 for t in (x, wq, wk, wv, cos, sin, slots, k_cache, v_cache)):
         raise ValueError("qkv_rope_write: every tensor needs a contiguous last dimension")
-    if row_sumsq is not None and (row_sumsq.dim() != 2 or row_sumsq.shape[0] != batch * tokens
-                                  or row_sumsq.dtype != torch.float32 or row_sumsq.stride(-1) != 1):
-        raise ValueError(f"qkv_rope_write: row_sumsq must be contiguous fp32 ({batch * tokens}, P), got "
-                         f"{tuple(row_sumsq.shape)} in {row_sumsq.dtype}")
+    check_row_sumsq("qkv_rope_write", row_sumsq, batch * tokens)
     has_bias = bq is not None
     x2 = x.reshape(batch * tokens, width)
     sumsq = row_sumsq if row_sumsq is not None else x2[:, :1]  # (unread without the row scale)
