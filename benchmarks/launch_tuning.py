@@ -3,10 +3,12 @@ for one run, recorded with its results. Nothing but the benchmarks should change
 
 from __future__ import annotations
 
+import copy
+
 
 def apply_tuning(overrides: list[str]) -> dict:
     """Set `KIND:KEY=VALUE` overrides into `_launch.TUNING` (KIND an attention kind), `_launch.SELECT_TUNING`
-    (KIND `select`) or `_launch.PDL` (`pdl:enabled=0`); values are ints, or floats. Returns them as a dict, for the
+    (KIND `select`) or `_launch.PDL` (`pdl:enabled=0`, `pdl:prefetch_kv=0`); values are ints, or floats. Returns them as a dict, for the
     records."""
     from hf_vegas_kernels import _launch
 
@@ -17,6 +19,8 @@ def apply_tuning(overrides: list[str]) -> dict:
         key, _, value = setting.partition("=")
         if kind not in tables or not key or not value:
             raise SystemExit(f"--tuning {item!r}: expected KIND:KEY=VALUE with KIND one of {sorted(tables)}")
+        if kind in ("select", "pdl") and key not in tables[kind]:  # (attention kinds take optional keys)
+            raise SystemExit(f"--tuning {item!r}: {kind} takes KEY one of {sorted(tables[kind])}")
         try:
             number = float(value)
         except ValueError:
@@ -24,3 +28,33 @@ def apply_tuning(overrides: list[str]) -> dict:
         tables[kind][key] = int(number) if number.is_integer() else number
         applied[f"{kind}:{key}"] = tables[kind][key]
     return applied
+
+
+def _tables() -> dict:
+    from hf_vegas_kernels import _launch
+
+    return {"tuning": _launch.TUNING, "select": _launch.SELECT_TUNING, "pdl": _launch.PDL}
+
+
+def snapshot() -> dict:
+    """The launch settings now, for `restore` (a copy: `apply_tuning` changes the tables in place)."""
+    return copy.deepcopy(_tables())
+
+
+def restore(saved: dict) -> None:
+    """Put back the settings of a `snapshot`."""
+    for name, table in _tables().items():
+        table.clear()
+        table.update(copy.deepcopy(saved[name]))
+
+
+def parse_sets(sets: list[str]) -> list[str]:
+    """`--tuning-sets` arguments (each a quoted, space-separated list of KIND:KEY=VALUE; '' for no override), each
+    checked by applying it once (a bad one exits before any GPU work); the settings are restored afterwards."""
+    saved = snapshot()
+    try:
+        for item in sets:
+            apply_tuning(item.split())
+    finally:
+        restore(saved)
+    return sets

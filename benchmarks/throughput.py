@@ -38,6 +38,7 @@ from hf_vegas import traffic
 import tensor_parallel_runs
 import workloads
 from gpu_timing import read_bandwidth
+import launch_tuning
 from launch_tuning import apply_tuning
 from provenance import gpu_run
 from results_io import append_records, read_records
@@ -236,6 +237,12 @@ def main() -> None:
                              "tp_plan='auto'")
     parser.add_argument("--tuning", nargs="+", default=[], metavar="KIND:KEY=VALUE",
                         help="override a kernel launch setting for this run, e.g. sparse:fused_combine=1 (recorded)")
+    parser.add_argument("--tuning-sets", nargs="+", default=None, metavar="'KIND:KEY=VALUE ...'",
+                        help="an A/B in one process: each of our methods runs once under each set of overrides "
+                             "(quoted and space-separated; '' for the defaults), its graphs captured again (recorded "
+                             "as tuning_set)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the whole list of jobs this many times, one pass after the other (run-to-run noise)")
     parser.add_argument("--inductor", nargs="+", default=[], metavar="OPTION=VALUE",
                         help="torch._inductor.config options for the compiled steps, e.g. combo_kernels=True "
                              "(recorded with the results; to measure which compiler levers pay)")
@@ -250,6 +257,10 @@ def main() -> None:
     plan = [workloads.parse_workload(w) for w in args.workloads]  # bad input fails before any GPU work
     inductor = _inductor_options(args.inductor)
     tuning = apply_tuning(args.tuning)
+    tuning_sets = launch_tuning.parse_sets(args.tuning_sets) if args.tuning_sets else [None]
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be a positive integer, got {args.repeats}")
+    defaults = launch_tuning.snapshot()  # with --tuning applied: each set starts from it
     if args.prefill_chunk is not None:
         if args.prefill_chunk < 1:
             raise SystemExit(f"--prefill-chunk must be a positive integer, got {args.prefill_chunk}")
@@ -279,10 +290,18 @@ def main() -> None:
     earlier = []  # earlier real-model records, for the projections only (not re-written or re-printed)
     if args.project_from:
         earlier = [r for r in read_records(args.project_from) if r["real_weights"] and "error" not in r]
-    jobs = [(w, d, m) for w in plan for d in (args.decodings if w.real_weights else ["greedy"]) for m in args.methods]
+    jobs = [(w, d, m, s) for _ in range(args.repeats) for w in plan
+            for d in (args.decodings if w.real_weights else ["greedy"]) for m in args.methods
+            for s in (tuning_sets if m != "hf" else [None])]
     bar = tqdm(jobs, desc="throughput", dynamic_ncols=True, disable=args.no_progress or not leader)
-    for workload, decoding, method in bar:
-        bar.set_postfix_str(f"{workload} {decoding} {method}")
+    current_set = None
+    for workload, decoding, method, tuning_set in bar:
+        bar.set_postfix_str(f"{workload} {decoding} {method}" + (f" [{tuning_set}]" if tuning_set is not None else ""))
+        if tuning_set != current_set and loaded[1] is not None:
+            hf_vegas.release_graphs(loaded[1])  # graphs captured under other launch settings must not replay
+        launch_tuning.restore(defaults)
+        set_overrides = apply_tuning(tuning_set.split()) if tuning_set is not None else None
+        current_set = tuning_set
         if loaded[0] != workload.model:
             loaded = (None, None, None)
             hf_vegas.release_graphs()
@@ -301,7 +320,8 @@ def main() -> None:
         record = dict(base, sweep=args.sweep, model=workload.model, real_weights=workload.real_weights,
                       batch=workload.batch,
                       prompt_tokens=int(mask.sum(dim=1).max()), new_tokens=new_tokens, decoding=decoding,
-                      method=method, config=config.to_dict() if config else {"cache_implementation": "static"})
+                      method=method, config=config.to_dict() if config else {"cache_implementation": "static"},
+                      **({"tuning_set": set_overrides} if tuning_set is not None else {}))
         try:
             if method == "hf":
                 hf_vegas.release_graphs()  # give HF the memory our cache held
@@ -378,6 +398,8 @@ def _add_ratios(record, records) -> None:
         same = all(other.get(k) == record[k] for k in ("model", "batch", "prompt_tokens", "decoding"))
         if not same or "tokens_per_s" not in other or other["method"] not in ("hf", "dense"):
             continue
+        if other["method"] == "dense" and other.get("tuning_set") != record.get("tuning_set"):
+            continue  # (an A/B of launch settings: each against dense under its own)
         record[f"x_{other['method']}"] = record["tokens_per_s"] / other["tokens_per_s"]
         if other["method"] == "dense":
             record["predicted_x_dense"] = record["bound_tokens_per_s"] / other["bound_tokens_per_s"]
@@ -415,7 +437,8 @@ def print_table(records) -> None:
               f"{r['bound_tokens_per_s']:>11.0f} {100 * r['fraction_of_bound']:>5.0f}% "
               f"{r.get('tokens_per_iteration', 1.0):>8.2f} {r.get('iterations') or '':>5} "
               f"{r.get('straggler_tail', nan):>5.2f} {r.get('x_hf', nan):>6.2f} {r.get('x_dense', nan):>7.2f} "
-              f"{r.get('predicted_x_dense', nan):>6.2f} {r.get('peak_memory_GiB', nan):>8.1f}  {parts}")
+              f"{r.get('predicted_x_dense', nan):>6.2f} {r.get('peak_memory_GiB', nan):>8.1f}  {parts}"
+              + (f"  [{' '.join(f'{k}={v}' for k, v in r['tuning_set'].items())}]" if "tuning_set" in r else ""))
     print("* projected: measured iteration time x tokens per iteration of the real model (random weights); "
           "pred.: the traffic model's speedup over dense; tail: iterations over those a row of average acceptance "
           "needs (the batch waits for its slowest row)")

@@ -233,7 +233,9 @@ def test_programmatic_dependent_launch_is_off_where_the_gpu_cannot_take_it():
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_overlapped_launches_in_graphs_change_nothing(monkeypatch, do_sample):
     """Fused draft layers, verification and dense steps replayed as CUDA graphs whose kernels launch as programmatic
-    dependents give the same tokens and acceptance as the same graphs without (fp32, one seed)."""
+    dependents give the same tokens and acceptance as the same graphs without (fp32, one seed): with the next kernel
+    released after the main loop or right after the wait, with and without L2 prefetches before the wait (the CPU
+    counterpart: `kernels/tests/test_kernels_pdl.py` reads the compiled variants)."""
     from hf_vegas_kernels import _launch
 
     model = tiny_model("llama").to(DEVICE)
@@ -242,11 +244,13 @@ def test_overlapped_launches_in_graphs_change_nothing(monkeypatch, do_sample):
                   custom_generate="vegas", vegas_backend="triton", vegas_cuda_graphs=True, vegas_gamma=3,
                   vegas_sparsity=0.3, vegas_min_tokens=4, return_dict_in_generate=True)
     runs = {}
-    for enabled in (1, 0):
-        monkeypatch.setitem(_launch.PDL, "enabled", enabled)
-        assert _launch.pdl(torch.device(DEVICE)) == bool(enabled)
+    for options in ((1, 1, 1, 1), (1, 0, 0, 0), (1, 1, 1, 0), (0, 1, 1, 1)):
+        for option, value in zip(("enabled", "early_trigger", "prefetch_weights", "prefetch_kv"), options):
+            monkeypatch.setitem(_launch.PDL, option, value)
+        assert _launch.pdl(torch.device(DEVICE)) == bool(options[0])
         torch.manual_seed(3)
-        runs[enabled] = model.generate(ids, **common)
+        runs[options] = model.generate(ids, **common)
         hf_vegas.release_graphs(model)  # the next run captures its own graphs
-    assert torch.equal(runs[1].sequences, runs[0].sequences)
-    assert torch.equal(runs[1].accepted, runs[0].accepted)
+    for options, run in runs.items():
+        assert torch.equal(run.sequences, runs[0, 1, 1, 1].sequences), options
+        assert torch.equal(run.accepted, runs[0, 1, 1, 1].accepted), options

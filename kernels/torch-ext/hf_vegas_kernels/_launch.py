@@ -74,7 +74,10 @@ SELECT_TUNING = {"num_warps": 0}
 # layer overlaps the previous kernel's tail. Every such kernel waits, unconditionally, before its first load, and
 # triggers only after it has waited: completion is transitive, so a kernel may read what one several launches back
 # wrote. The benchmarks switch it off (`--tuning pdl:enabled=0`) to measure it.
-PDL = {"enabled": 1}
+# `early_trigger`: a kernel releases the next one right after its wait instead of after its main loop, and
+# `prefetch_weights` / `prefetch_kv`: before waiting, the projections ask L2 for their weight rows and a sparse draft's
+# attention for its gathered keys and values (`_pdl.py` says why that is safe).
+PDL = {"enabled": 1, "early_trigger": 1, "prefetch_weights": 1, "prefetch_kv": 1}
 
 
 @functools.cache
@@ -96,6 +99,12 @@ def pdl(device: torch.device) -> bool:
     if device.type != "cuda" or not PDL["enabled"] or torch.version.hip is not None or not _triton_has_pdl():
         return False
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+def pdl_option(device: torch.device, option: str) -> bool:
+    """Whether `PDL[option]` ("early_trigger", "prefetch_weights", "prefetch_kv") applies to kernels on `device`:
+    only where they launch as programmatic dependents at all."""
+    return bool(PDL[option]) and pdl(device)
 
 
 def pdl_launch(device: torch.device) -> dict:

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
+from ._pdl import lines, prefetch_rows, release_dependents, wait_for_inputs
 
 ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
 # Widest column block under Triton's CPU interpreter (0: the GPU settings, which tests of those settings ask for).
@@ -76,38 +77,39 @@ def _grouped_linear(
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     ROW_SCALE: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr,
+    USE_GDC: tl.constexpr, EARLY_TRIGGER: tl.constexpr, PREFETCH: tl.constexpr, K_LINES: tl.constexpr,
 ):
-    if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the input is the previous kernel's output
-        tl.extra.cuda.gdc_wait()
     n_start = tl.program_id(0) * BLOCK_N  # in the concatenated output (gated: in the gate's columns)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rows < M
     out_cols = n_start + tl.arange(0, BLOCK_N)
+    # Which weight this tile reads: segments are multiples of BLOCK_N, so a tile never straddles two (gated: the
+    # gate's, and W1 the up weight beside it).
+    if n_start < N0:
+        W, B, stride_w, start, size = W0, B0, stride_w0, 0 * N0, N0
+    elif n_start < N0 + N1:
+        W, B, stride_w, start, size = W1, B1, stride_w1, N0, N1
+    else:
+        W, B, stride_w, start, size = W2, B2, stride_w2, N0 + N1, N2
+    cols = out_cols - start
+    n_ok = cols < size
+    if PREFETCH:  # the weights are no earlier kernel's output: L2 fetches them while the kernel before still runs
+        prefetch_rows(W, cols, n_ok, stride_w, K, K_LINES)
+        if GATED:
+            prefetch_rows(W1, cols, n_ok, stride_w1, K, K_LINES)
+    wait_for_inputs(USE_GDC, EARLY_TRIGGER)  # the input is the previous kernel's output
     if GATED:
-        n_ok = out_cols < N0
-        gate, up = _tiles(X, W0, W1, rows, out_cols, m_ok, n_ok, K, stride_xm, stride_w0, stride_w1, True, BLOCK_M,
+        gate, up = _tiles(X, W0, W1, rows, cols, m_ok, n_ok, K, stride_xm, stride_w0, stride_w1, True, BLOCK_M,
                           BLOCK_N, BLOCK_K, PRECISION)
-        if USE_GDC:
-            tl.extra.cuda.gdc_launch_dependents()
+        release_dependents(USE_GDC, EARLY_TRIGGER)
         if ROW_SCALE:  # the input was `x * norm_weight`: the RMSNorm's per-row factor scales the products
             scale = _row_scale(SumSqIn, rows, m_ok, K, eps, stride_si, parts_in, BLOCK_P)[:, None]
             gate, up = gate * scale, up * scale
         result = _activate(gate, ACT) * up
     else:
-        # Which weight this tile reads: segments are multiples of BLOCK_N, so a tile never straddles two.
-        if n_start < N0:
-            W, B, stride_w, start, size = W0, B0, stride_w0, 0 * N0, N0
-        elif n_start < N0 + N1:
-            W, B, stride_w, start, size = W1, B1, stride_w1, N0, N1
-        else:
-            W, B, stride_w, start, size = W2, B2, stride_w2, N0 + N1, N2
-        cols = out_cols - start
-        n_ok = cols < size
         result, _ = _tiles(X, W, W, rows, cols, m_ok, n_ok, K, stride_xm, stride_w, stride_w, False, BLOCK_M,
                            BLOCK_N, BLOCK_K, PRECISION)
-        if USE_GDC:
-            tl.extra.cuda.gdc_launch_dependents()
+        release_dependents(USE_GDC, EARLY_TRIGGER)
         if HAS_BIAS:
             result += tl.load(B + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_RESIDUAL:  # one rounding of the fp32 sum, as cuBLAS' addmm (beta = 1) rounds
@@ -193,8 +195,11 @@ def _launch_linear(kind, x2, weights, biases, out, act=0, residual=None, row_sum
         NORM_OUT=norm_out is not None,
         BLOCK_P=max(2, triton.next_power_of_2(1 if row_sumsq is None else row_sumsq.shape[1])),
         BLOCK_M=setting["block_m"], BLOCK_N=block_n, BLOCK_K=setting["block_k"],
-        PRECISION=_launch.dot_precision(x2.dtype), USE_GDC=_launch.pdl(x2.device), num_warps=setting["num_warps"],
-        num_stages=setting["num_stages"], **_launch.pdl_launch(x2.device),
+        PRECISION=_launch.dot_precision(x2.dtype), USE_GDC=_launch.pdl(x2.device),
+        EARLY_TRIGGER=_launch.pdl_option(x2.device, "early_trigger"),
+        PREFETCH=_launch.pdl_option(x2.device, "prefetch_weights"),
+        K_LINES=lines(x2.shape[1], weights[0].element_size()),
+        num_warps=setting["num_warps"], num_stages=setting["num_stages"], **_launch.pdl_launch(x2.device),
     )
 
 

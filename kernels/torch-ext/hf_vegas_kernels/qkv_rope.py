@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
+from ._pdl import lines, prefetch_rows, release_dependents, wait_for_inputs
 from .linear import _row_scale, check_row_sumsq
 
 
@@ -31,10 +32,8 @@ def _qkv_rope_write(
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
     ROW_SCALE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr,
+    USE_GDC: tl.constexpr, EARLY_TRIGGER: tl.constexpr, PREFETCH: tl.constexpr, K_LINES: tl.constexpr,
 ):
-    if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the input is the previous kernel's output
-        tl.extra.cuda.gdc_wait()
     head = tl.program_id(0)  # queries, then keys, then values
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # row m = b * T + t
     m_ok = rows < M
@@ -47,6 +46,10 @@ def _qkv_rope_write(
     else:
         W, B, stride_w, h = WV, BV, stride_wv, head - Q_HEADS - KV_HEADS
     cols = h * HEAD_DIM + j  # the head's first half; the second is HALF further
+    if PREFETCH:  # the weights are no earlier kernel's output: L2 fetches the head's rows while the kernel before runs
+        prefetch_rows(W, h * HEAD_DIM + tl.arange(0, 2 * BLOCK_HALF), tl.arange(0, 2 * BLOCK_HALF) < HEAD_DIM,
+                      stride_w, K, K_LINES)
+    wait_for_inputs(USE_GDC, EARLY_TRIGGER)  # the input is the previous kernel's output
     acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -58,8 +61,7 @@ def _qkv_rope_write(
         w2 = tl.load(W + (cols + HALF)[None, :] * stride_w + k[:, None], mask=w_ok, other=0.0)
         acc1 += tl.dot(x, w1.to(x.dtype), input_precision=PRECISION)
         acc2 += tl.dot(x, w2.to(x.dtype), input_precision=PRECISION)
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
+    release_dependents(USE_GDC, EARLY_TRIGGER)
     if ROW_SCALE:  # the input was `x * norm_weight`: the RMSNorm's per-row factor scales the projection
         scale = _row_scale(SumSq, rows, m_ok, K, eps, stride_sm, parts, BLOCK_P)[:, None]
         acc1, acc2 = acc1 * scale, acc2 * scale
@@ -129,7 +131,9 @@ def qkv_rope_write(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=half, HAS_BIAS=has_bias,
         ROW_SCALE=row_sumsq is not None, BLOCK_P=max(2, triton.next_power_of_2(sumsq.shape[1])), BLOCK_M=block_m,
         BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_K=setting["block_k"],
-        PRECISION=_launch.dot_precision(x.dtype), USE_GDC=_launch.pdl(x.device), num_warps=setting["num_warps"],
-        num_stages=setting["num_stages"], **_launch.pdl_launch(x.device),
+        PRECISION=_launch.dot_precision(x.dtype), USE_GDC=_launch.pdl(x.device),
+        EARLY_TRIGGER=_launch.pdl_option(x.device, "early_trigger"),
+        PREFETCH=_launch.pdl_option(x.device, "prefetch_weights"), K_LINES=lines(width, wq.element_size()),
+        num_warps=setting["num_warps"], num_stages=setting["num_stages"], **_launch.pdl_launch(x.device),
     )
     return q

@@ -1,0 +1,127 @@
+"""The programmatic-dependent-launch variants of the kernels (`_pdl.py`), compiled for a Hopper GPU on any machine.
+
+The CPU interpreter never runs them: it takes no launch option, and inline PTX (the L2 prefetches) means nothing to
+it. So here they are compiled ahead of time for compute capability 9.0 with Triton's own `ptxas`, and the PTX is read
+for what the launch protocol promises: every prefetch before the wait, nothing loaded from memory before the wait
+but a sparse list's own entries, and the next kernel released right after the wait (early) or after the main loop
+(late). The GPU tests run the same variants against the naive ops (`tests/test_draft_layers.py`, and every kernel
+test on a GPU, where they are the default).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+# Pointer arguments that hold indices, and those that hold fp32 states; other pointers hold bf16 tensors.
+INDEX_POINTERS = {"QSlot", "KvLen", "SelIdx", "SelCount", "TailStart", "ScoreRows", "Tickets", "Slots"}
+FP32_POINTERS = {"MPart", "LPart", "OPart", "Lse", "Sinks", "SumSqIn", "SumSqOut", "SumSq", "Cos", "Sin"}
+INTEGERS = {"M", "K", "T", "N0", "N1", "N2"}  # (but the attention's K is its keys)
+FLOATS = {"eps", "scaling", "softcap"}
+
+
+def _ptx(kernel, constexprs: dict) -> str:
+    """`kernel` compiled for compute capability 9.0 with `constexprs`: its PTX (the cubin is built too, so `ptxas`
+    checks it). Run where Triton compiles (not in its interpreter): `_compiled` runs it in a fresh process."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def kind(name):
+        if name in INDEX_POINTERS:
+            return "*i32"
+        if name in FP32_POINTERS:
+            return "*fp32"
+        if (name in INTEGERS and (name, kernel.__name__) != ("K", "_attend_list")) or name[0].islower():
+            return "fp32" if name in FLOATS else "i32"
+        return "*fp16" if name == "Emit" else "*bf16"
+
+    signature = {p.name: "constexpr" if p.is_constexpr else kind(p.name) for p in kernel.params}
+    missing = {p.name for p in kernel.params if p.is_constexpr} - set(constexprs)
+    assert not missing, f"constexprs missing from the test: {sorted(missing)}"
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"]
+    return compiled.asm["ptx"]
+
+
+def _first(ptx: str, pattern: str) -> int:
+    lines = ptx.splitlines()
+    found = [i for i, line in enumerate(lines) if re.search(pattern, line)]
+    assert found, f"no {pattern!r} in the PTX"
+    return found[0]
+
+
+def _linear_constexprs(**flags):
+    return dict(HAS_BIAS=False, HAS_RESIDUAL=False, GATED=True, ACT=1, ROW_SCALE=True, NORM_OUT=False, BLOCK_P=2,
+                BLOCK_M=64, BLOCK_N=16, BLOCK_K=128, PRECISION="tf32", USE_GDC=True, K_LINES=16, **flags)
+
+
+def _attention_constexprs(**flags):
+    return dict(KV_HEADS=3, GROUPS=3, HEAD_DIM=64, V_DIM=64, BLOCK_M=16, BLOCK_N=128, BLOCK_D=64, BLOCK_DV=64,
+                SPARSE=True, HAS_SOFTCAP=False, HAS_WINDOW=False, EMIT=0, EMIT_HALF=False, NUM_SCORE_ROWS=0,
+                BLOCK_E=16, PRECISION="tf32", SINGLE=True, HAS_SINKS=False, FUSED_COMBINE=False, USE_GDC=True,
+                D_LINES=1, DV_LINES=1, **flags)
+
+
+def _qkv_rope_constexprs(**flags):
+    return dict(Q_HEADS=9, KV_HEADS=3, HEAD_DIM=64, HALF=32, HAS_BIAS=False, ROW_SCALE=True, BLOCK_P=2, BLOCK_M=16,
+                BLOCK_HALF=32, BLOCK_K=128, PRECISION="tf32", USE_GDC=True, K_LINES=16, **flags)
+
+
+CASES = {
+    "gated_linear": ("linear", "_grouped_linear", _linear_constexprs),
+    "sparse_attention": ("attention", "_attend_list", _attention_constexprs),
+    "qkv_rope_write": ("qkv_rope", "_qkv_rope_write", _qkv_rope_constexprs),
+}
+VARIANTS = {"early, prefetching": dict(EARLY_TRIGGER=True, PREFETCH=True),
+            "late, no prefetch": dict(EARLY_TRIGGER=False, PREFETCH=False)}
+
+
+def _compile_all() -> dict:
+    import importlib
+
+    ptx = {}
+    for case, (module, name, constexprs) in CASES.items():
+        kernel = getattr(importlib.import_module(f"hf_vegas_kernels.{module}"), name)
+        ptx[case] = {variant: _ptx(kernel, constexprs(**flags)) for variant, flags in VARIANTS.items()}
+    return ptx
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Every case's PTX, compiled in a fresh process outside Triton's interpreter (which the CPU tests run under)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
+    if run.returncode != 0 and "ptxas" in run.stderr and "No such file" in run.stderr:
+        pytest.skip(f"this Triton install has no ptxas to compile for a GPU: {run.stderr.splitlines()[-1]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_prefetches_come_before_the_wait_and_the_early_release_right_after_it(compiled, case):
+    ptx = compiled[case]["early, prefetching"]
+    wait, release = _first(ptx, r"griddepcontrol\.wait"), _first(ptx, r"griddepcontrol\.launch_dependents")
+    assert _first(ptx, r"prefetch\.global\.L2") < wait < release < _first(ptx, r"\bmma")
+    # Before the wait nothing is loaded but a sparse list's entries (`_prefetch_list`: they only aim prefetches).
+    loads_before = [line for line in ptx.splitlines()[:wait] if re.search(r"\bld\.global", line)]
+    assert (case == "sparse_attention") == bool(loads_before), loads_before
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_without_the_options_nothing_is_prefetched_and_the_release_follows_the_main_loop(compiled, case):
+    ptx = compiled[case]["late, no prefetch"]
+    assert "prefetch" not in ptx
+    lines = ptx.splitlines()
+    last_mma = max(i for i, line in enumerate(lines) if re.search(r"\bmma", line))
+    assert _first(ptx, r"griddepcontrol\.wait") < last_mma < _first(ptx, r"griddepcontrol\.launch_dependents")
+
+
+if __name__ == "__main__":  # the `compiled` fixture's process
+    print(json.dumps(_compile_all()))

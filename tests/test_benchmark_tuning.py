@@ -1,0 +1,35 @@
+"""The benchmarks' launch-setting overrides (`benchmarks/launch_tuning.py`): `--tuning` and the A/B sets of
+`--tuning-sets`, which must leave the defaults exactly as they were between sets."""
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+import launch_tuning  # noqa: E402
+
+_launch = pytest.importorskip("hf_vegas_kernels._launch")
+
+
+def test_a_set_applies_over_the_defaults_and_restore_puts_them_back():
+    saved = launch_tuning.snapshot()
+    try:
+        applied = launch_tuning.apply_tuning(["pdl:prefetch_kv=0", "sparse:waves=1.5"])
+        assert applied == {"pdl:prefetch_kv": 0, "sparse:waves": 1.5}
+        assert _launch.PDL["prefetch_kv"] == 0 and _launch.TUNING["sparse"]["waves"] == 1.5
+    finally:
+        launch_tuning.restore(saved)
+    assert launch_tuning.snapshot() == saved and _launch.PDL["prefetch_kv"] == saved["pdl"]["prefetch_kv"]
+
+
+def test_sets_are_checked_before_any_run_and_change_nothing():
+    saved = launch_tuning.snapshot()
+    assert launch_tuning.parse_sets(["pdl:early_trigger=0 pdl:prefetch_weights=0", ""]) == [
+        "pdl:early_trigger=0 pdl:prefetch_weights=0", ""]
+    assert launch_tuning.snapshot() == saved
+    for bad, says in (("pdl:early=0", "pdl takes KEY one of"), ("nothing:x=1", "KIND one of"),
+                      ("pdl:enabled=yes", "must be a number")):
+        with pytest.raises(SystemExit, match=says):
+            launch_tuning.parse_sets([f"pdl:enabled=1 {bad}"])
+        assert launch_tuning.snapshot() == saved, bad
