@@ -8,8 +8,8 @@ import copy
 
 def apply_tuning(overrides: list[str]) -> dict:
     """Set `KIND:KEY=VALUE` overrides into `_launch.TUNING` (KIND an attention kind), `_launch.SELECT_TUNING`
-    (KIND `select`) or `_launch.PDL` (`pdl:enabled=0`, `pdl:prefetch_kv=0`); values are ints, or floats. Returns them as a dict, for the
-    records."""
+    (KIND `select`) or `_launch.PDL` (`pdl:enabled=0`, `pdl:prefetch_weights=0`); values are ints, or floats.
+    Returns them as a dict, for the records."""
     from hf_vegas_kernels import _launch
 
     tables = {**_launch.TUNING, "select": _launch.SELECT_TUNING, "pdl": _launch.PDL}

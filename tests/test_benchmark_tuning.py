@@ -15,12 +15,12 @@ _launch = pytest.importorskip("hf_vegas_kernels._launch")
 def test_a_set_applies_over_the_defaults_and_restore_puts_them_back():
     saved = launch_tuning.snapshot()
     try:
-        applied = launch_tuning.apply_tuning(["pdl:prefetch_kv=0", "sparse:waves=1.5"])
-        assert applied == {"pdl:prefetch_kv": 0, "sparse:waves": 1.5}
-        assert _launch.PDL["prefetch_kv"] == 0 and _launch.TUNING["sparse"]["waves"] == 1.5
+        applied = launch_tuning.apply_tuning(["pdl:prefetch_weights=0", "sparse:waves=1.5"])
+        assert applied == {"pdl:prefetch_weights": 0, "sparse:waves": 1.5}
+        assert _launch.PDL["prefetch_weights"] == 0 and _launch.TUNING["sparse"]["waves"] == 1.5
     finally:
         launch_tuning.restore(saved)
-    assert launch_tuning.snapshot() == saved and _launch.PDL["prefetch_kv"] == saved["pdl"]["prefetch_kv"]
+    assert launch_tuning.snapshot() == saved and _launch.PDL["prefetch_weights"] == saved["pdl"]["prefetch_weights"]
 
 
 def test_sets_are_checked_before_any_run_and_change_nothing():

@@ -244,13 +244,13 @@ def test_overlapped_launches_in_graphs_change_nothing(monkeypatch, do_sample):
                   custom_generate="vegas", vegas_backend="triton", vegas_cuda_graphs=True, vegas_gamma=3,
                   vegas_sparsity=0.3, vegas_min_tokens=4, return_dict_in_generate=True)
     runs = {}
-    for options in ((1, 1, 1, 1), (1, 0, 0, 0), (1, 1, 1, 0), (0, 1, 1, 1)):
-        for option, value in zip(("enabled", "early_trigger", "prefetch_weights", "prefetch_kv"), options):
+    for options in ((1, 1, 1), (1, 0, 0), (1, 1, 0), (0, 1, 1)):
+        for option, value in zip(("enabled", "early_trigger", "prefetch_weights"), options):
             monkeypatch.setitem(_launch.PDL, option, value)
         assert _launch.pdl(torch.device(DEVICE)) == bool(options[0])
         torch.manual_seed(3)
         runs[options] = model.generate(ids, **common)
         hf_vegas.release_graphs(model)  # the next run captures its own graphs
     for options, run in runs.items():
-        assert torch.equal(run.sequences, runs[0, 1, 1, 1].sequences), options
-        assert torch.equal(run.accepted, runs[0, 1, 1, 1].accepted), options
+        assert torch.equal(run.sequences, runs[0, 1, 1].sequences), options
+        assert torch.equal(run.accepted, runs[0, 1, 1].accepted), options

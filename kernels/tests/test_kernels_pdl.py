@@ -2,10 +2,10 @@
 
 The CPU interpreter never runs them: it takes no launch option, and inline PTX (the L2 prefetches) means nothing to
 it. So here they are compiled ahead of time for compute capability 9.0 with Triton's own `ptxas`, and the PTX is read
-for what the launch protocol promises: every prefetch before the wait, nothing loaded from memory before the wait
-but a sparse list's own entries, and the next kernel released right after the wait (early) or after the main loop
-(late). The GPU tests run the same variants against the naive ops (`tests/test_draft_layers.py`, and every kernel
-test on a GPU, where they are the default).
+for what the launch protocol promises: the projections' weight prefetches before the wait, no load from memory before
+it, and the next kernel released right after the wait (early) or after the main loop (late). The GPU tests run the
+same variants against the naive ops (`tests/test_draft_layers.py`, and every kernel test on a GPU, where they are
+the default).
 """
 
 import json
@@ -65,7 +65,7 @@ def _attention_constexprs(**flags):
     return dict(KV_HEADS=3, GROUPS=3, HEAD_DIM=64, V_DIM=64, BLOCK_M=16, BLOCK_N=128, BLOCK_D=64, BLOCK_DV=64,
                 SPARSE=True, HAS_SOFTCAP=False, HAS_WINDOW=False, EMIT=0, EMIT_HALF=False, NUM_SCORE_ROWS=0,
                 BLOCK_E=16, PRECISION="tf32", SINGLE=True, HAS_SINKS=False, FUSED_COMBINE=False, USE_GDC=True,
-                D_LINES=1, DV_LINES=1, **flags)
+                EARLY_TRIGGER=flags["EARLY_TRIGGER"])  # (nothing to prefetch: its keys and values come after the wait)
 
 
 def _qkv_rope_constexprs(**flags):
@@ -108,10 +108,11 @@ def compiled():
 def test_prefetches_come_before_the_wait_and_the_early_release_right_after_it(compiled, case):
     ptx = compiled[case]["early, prefetching"]
     wait, release = _first(ptx, r"griddepcontrol\.wait"), _first(ptx, r"griddepcontrol\.launch_dependents")
-    assert _first(ptx, r"prefetch\.global\.L2") < wait < release < _first(ptx, r"\bmma")
-    # Before the wait nothing is loaded but a sparse list's entries (`_prefetch_list`: they only aim prefetches).
-    loads_before = [line for line in ptx.splitlines()[:wait] if re.search(r"\bld\.global", line)]
-    assert (case == "sparse_attention") == bool(loads_before), loads_before
+    assert wait < release < _first(ptx, r"\bmma")
+    if case != "sparse_attention":
+        assert _first(ptx, r"prefetch\.global\.L2") < wait
+    loads = [line for line in ptx.splitlines()[:wait] if re.search(r"\bld\.global|\bcp\.async", line)]
+    assert not loads, f"loads from memory before the wait: {loads}"
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

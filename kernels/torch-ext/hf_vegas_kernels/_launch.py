@@ -75,9 +75,12 @@ SELECT_TUNING = {"num_warps": 0}
 # triggers only after it has waited: completion is transitive, so a kernel may read what one several launches back
 # wrote. The benchmarks switch it off (`--tuning pdl:enabled=0`) to measure it.
 # `early_trigger`: a kernel releases the next one right after its wait instead of after its main loop, and
-# `prefetch_weights` / `prefetch_kv`: before waiting, the projections ask L2 for their weight rows and a sparse draft's
-# attention for its gathered keys and values (`_pdl.py` says why that is safe).
-PDL = {"enabled": 1, "early_trigger": 1, "prefetch_weights": 1, "prefetch_kv": 1}
+# `prefetch_weights`: before waiting, the projections ask L2 for their weight rows (`_pdl.py` says why that is safe).
+# Measured together (`throughput.py --tuning-sets`, real SmolLM2 at 64 x 7.5K, greedy, compiled, H100, one process,
+# two passes, commit f333b92): a draft step took 1.254 / 1.254 ms with neither, 1.277 / 1.279 with the early release
+# alone, 1.235 / 1.237 with both (Vegas 25,346 / 25,360 -> 25,555 / 25,551 tokens/s). Prefetching a sparse draft's
+# gathered keys and values too (before its attention's wait) took it to 1.313 / 1.314 ms, and was dropped.
+PDL = {"enabled": 1, "early_trigger": 1, "prefetch_weights": 1}
 
 
 @functools.cache
@@ -102,7 +105,7 @@ def pdl(device: torch.device) -> bool:
 
 
 def pdl_option(device: torch.device, option: str) -> bool:
-    """Whether `PDL[option]` ("early_trigger", "prefetch_weights", "prefetch_kv") applies to kernels on `device`:
+    """Whether `PDL[option]` ("early_trigger", "prefetch_weights") applies to kernels on `device`:
     only where they launch as programmatic dependents at all."""
     return bool(PDL[option]) and pdl(device)
 

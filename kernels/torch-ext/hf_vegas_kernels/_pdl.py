@@ -11,10 +11,10 @@ while this one computes, on whatever room the SMs have left (all of this kernel'
 none of them waits for that room). Their prefetches then overlap this kernel's work. Late, after the main loop, only
 its epilogue is overlapped.
 
-What a kernel may prefetch before its wait: whatever the kernel before it does not write (weights; a sparse draft's
-gathered keys and values, which verification and earlier steps wrote). A prefetch is a hint: it returns nothing and
-changes no memory, and L2 is where every SM's writes meet, so a line prefetched before another kernel writes it is
-still read fresh after the wait. Prefetch addresses are kept inside the buffer they belong to.
+What a kernel may prefetch before its wait: whatever no kernel of the chain writes (the projections' weights). A
+prefetch is a hint: it returns nothing and changes no memory, and L2 is where every SM's writes meet, so even a line
+that another kernel later writes would be read fresh after the wait. Prefetch addresses are kept inside the buffer
+they belong to.
 """
 
 from __future__ import annotations

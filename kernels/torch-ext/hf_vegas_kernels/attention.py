@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._pdl import lines, prefetch_rows, release_dependents, wait_for_inputs
+from ._pdl import release_dependents, wait_for_inputs
 
 # Emission modes: none, logits summed over the query heads of a KV head, logits per query head.
 EMIT_NONE, EMIT_GROUP_SUM, EMIT_PER_HEAD = 0, 1, 2
@@ -50,24 +50,20 @@ def _attend_list(
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_sb, stride_eb, stride_er, stride_eh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-    T, chunk, scaling, softcap, window, sel_width, num_slots,
+    T, chunk, scaling, softcap, window,
     KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     SPARSE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     EMIT: tl.constexpr, EMIT_HALF: tl.constexpr, NUM_SCORE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
     PRECISION: tl.constexpr,
     SINGLE: tl.constexpr, HAS_SINKS: tl.constexpr, FUSED_COMBINE: tl.constexpr, USE_GDC: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr, PREFETCH: tl.constexpr, D_LINES: tl.constexpr, DV_LINES: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,
 ):
     split = tl.program_id(0)
     row_head = tl.program_id(1)
     num_splits = tl.num_programs(0)
     b = (row_head // KV_HEADS).to(tl.int64)  # b * stride_kb passes 2**31 elements in large caches
     kvh = row_head % KV_HEADS
-    if PREFETCH:  # (sparse drafts) the gathered keys and values were written by verification and earlier steps
-        _prefetch_list(K + b * stride_kb + kvh * stride_kh, V + b * stride_vb + kvh * stride_vh, KvLen + b,
-                       SelIdx + b * stride_sb, SelCount + b, TailStart + b, split, chunk, sel_width, num_slots,
-                       stride_ks, stride_vs, HEAD_DIM, V_DIM, BLOCK_N, D_LINES, DV_LINES)
     wait_for_inputs(USE_GDC, EARLY_TRIGGER)  # the queries are the previous kernel's output
     rows = T * GROUPS
 
@@ -189,32 +185,6 @@ def _attend_list(
             _write_result(Sinks, kvh * GROUPS + g, row_ok, top, l_total, merged, out_ptr, lse_ptr, V_DIM, BLOCK_DV,
                           HAS_SINKS)
             tl.atomic_xchg(Tickets + row_head, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-
-
-@triton.jit
-def _prefetch_list(K, V, KvLen, SelIdx, SelCount, TailStart, split, chunk, sel_width, num_slots, stride_ks, stride_vs,
-                   HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_N: tl.constexpr, D_LINES: tl.constexpr,
-                   DV_LINES: tl.constexpr):
-    """Before the wait, ask L2 for the key and value lines of one (row, KV head)'s slots in this split (`K`, `V` at
-    the pair's first slot; the other pointers at the row's entries). The list is read before the kernel that made it
-    is known to be done (a selection made while drafting is the previous kernel's output), so any values may be
-    read: each bounds only where a prefetch goes, kept within one chunk of the list, the selection's width and the
-    cache's slots. The attention reads the list again after its wait."""
-    kv_len = tl.load(KvLen)
-    tail_start = tl.load(TailStart)
-    count = tl.load(SelCount)
-    n = tl.maximum(kv_len - tail_start, 0) + tl.where(kv_len > 0, count, 0)
-    start = split.to(tl.int64) * chunk
-    end = tl.minimum(start + chunk, n)
-    for p0 in range(start, end, BLOCK_N):
-        p = p0 + tl.arange(0, BLOCK_N)
-        in_list = p < end
-        chosen = (p < count) & (p < sel_width)
-        picked = tl.load(SelIdx + p, mask=in_list & chosen, other=0)
-        slot = tl.where(p < count, picked, tail_start + p - count)
-        slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1).to(tl.int64)
-        prefetch_rows(K, slot, in_list, stride_ks, HEAD_DIM, D_LINES)
-        prefetch_rows(V, slot, in_list, stride_vs, V_DIM, DV_LINES)
 
 
 @triton.jit
@@ -392,7 +362,6 @@ def attend(
         *(emitted.stride()[:3] if emitting else (0, 0, 0)),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         num_tokens, chunk, float(scaling), float(softcap or 1.0), int(window or 0),
-        sel_idx.shape[1] if sparse else 0, num_slots,
         KV_HEADS=kv_heads, GROUPS=groups, HEAD_DIM=head_dim, V_DIM=v_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         SPARSE=sparse, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
@@ -400,8 +369,6 @@ def attend(
         BLOCK_E=max(16, triton.next_power_of_2(emit_rows)), PRECISION=_launch.dot_precision(q.dtype),
         SINGLE=single, HAS_SINKS=sinks is not None, FUSED_COMBINE=fused, USE_GDC=_launch.pdl(device),
         EARLY_TRIGGER=_launch.pdl_option(device, "early_trigger"),
-        PREFETCH=sparse and _launch.pdl_option(device, "prefetch_kv"),
-        D_LINES=lines(head_dim, k_cache.element_size()), DV_LINES=lines(v_dim, v_cache.element_size()),
         num_warps=tuning["num_warps"], num_stages=stages, **_launch.pdl_launch(device),
     )
     if single or fused:
