@@ -7,12 +7,13 @@ import copy
 
 
 def apply_tuning(overrides: list[str]) -> dict:
-    """Set `KIND:KEY=VALUE` overrides into `_launch.TUNING` (KIND an attention kind), `_launch.SELECT_TUNING`
-    (KIND `select`) or `_launch.PDL` (`pdl:enabled=0`, `pdl:prefetch_weights=0`); values are ints, or floats.
-    Returns them as a dict, for the records."""
+    """Set `KIND:KEY=VALUE` overrides into `_launch.TUNING` (KIND an attention kind), `_launch.LINEAR_TUNING` (a
+    projection kind: `linear:split_k_len=384`), `_launch.SELECT_TUNING` (KIND `select`) or `_launch.PDL`
+    (`pdl:enabled=0`, `pdl:prefetch_weights=0`); values are ints, or floats. Returns them as a dict, for the
+    records."""
     from hf_vegas_kernels import _launch
 
-    tables = {**_launch.TUNING, "select": _launch.SELECT_TUNING, "pdl": _launch.PDL}
+    tables = {**_launch.TUNING, **_launch.LINEAR_TUNING, "select": _launch.SELECT_TUNING, "pdl": _launch.PDL}
     applied = {}
     for item in overrides:
         kind, _, setting = item.partition(":")
@@ -33,7 +34,8 @@ def apply_tuning(overrides: list[str]) -> dict:
 def _tables() -> dict:
     from hf_vegas_kernels import _launch
 
-    return {"tuning": _launch.TUNING, "select": _launch.SELECT_TUNING, "pdl": _launch.PDL}
+    return {"tuning": _launch.TUNING, "linear": _launch.LINEAR_TUNING, "select": _launch.SELECT_TUNING,
+            "pdl": _launch.PDL}
 
 
 def snapshot() -> dict:

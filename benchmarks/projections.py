@@ -94,12 +94,15 @@ def measure(shape: str, rows: int) -> dict:
                                             down_n) * 1e6)
 
 
+# `split_k_len`: 0, or the longest slice of K one program takes (the last of a tile's programs sums the slices).
 SWEEP_GRID = dict(block_m=[16, 32, 64], block_n=[16, 32, 64, 128], block_k=[64, 128], num_warps=[2, 4],
-                  num_stages=[2, 4])
+                  num_stages=[2, 4], split_k_len=[0])
 
 
-def sweep(shape: str, rows: int, only: list[str] | None = None) -> list[dict]:
-    """Each one-launch kernel at `rows` rows under every setting of SWEEP_GRID, with cuBLAS for reference."""
+def sweep(shape: str, rows: int, only: list[str] | None = None, grid: dict | None = None) -> list[dict]:
+    """Each one-launch kernel at `rows` rows under every setting of `grid` (default SWEEP_GRID), with cuBLAS for
+    reference."""
+    grid = grid or SWEEP_GRID
     from itertools import product
 
     from hf_vegas_kernels import _launch
@@ -138,12 +141,13 @@ def sweep(shape: str, rows: int, only: list[str] | None = None) -> list[dict]:
             if only and op not in only:
                 continue
             cublas_us = graph_time(lambda i: cublas(sets[i % n]), n) * 1e6
-            for values in product(*SWEEP_GRID.values()):
-                setting = dict(zip(SWEEP_GRID, values))
+            for values in product(*grid.values()):
+                setting = dict(zip(grid, values))
                 if setting["block_m"] > max(16, rows):
                     continue  # the launcher clamps it to the rows: a duplicate of a smaller block
-                if kind == "qkv_rope" and setting["block_n"] != SWEEP_GRID["block_n"][0]:
-                    continue  # a program owns one head: no column block to choose
+                if kind == "qkv_rope" and (setting["block_n"] != grid["block_n"][0]
+                                           or setting["split_k_len"] != grid["split_k_len"][0]):
+                    continue  # a program owns one head, over all of K: no column block or K split to choose
                 _launch.LINEAR_TUNING[kind] = setting
                 records.append(dict(shape=shape, rows=rows, op=op, setting=setting, cublas_us=cublas_us,
                                     us=graph_time(lambda i: fused(sets[i % n]), n) * 1e6))
@@ -162,7 +166,11 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="sweep the kernels' launch settings instead")
     parser.add_argument("--ops", nargs="+", choices=["qkv", "gated", "qkv_rope", "linear(o)", "linear(down)"],
                         help="with --sweep: only these kernels (default: all)")
+    parser.add_argument("--grid", nargs="+", default=[], metavar="KEY=V1,V2",
+                        help=f"with --sweep: the values of a setting to sweep instead of SWEEP_GRID's (keys: "
+                             f"{', '.join(SWEEP_GRID)}), e.g. split_k_len=0,192,384 block_m=64")
     args = parser.parse_args()
+    grid = _grid(args.grid)  # bad input fails before any GPU work
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/projections.py needs a CUDA GPU.")
     base = gpu_run(args.commit, dtype="bfloat16")
@@ -170,7 +178,7 @@ def main() -> None:
         out = args.out if args.out != Path("benchmarks/results/projections.jsonl") else (
             Path("benchmarks/results/projections_sweep.jsonl"))
         records = [dict(base, **r) for shape in args.shapes for rows in args.rows
-                   for r in sweep(shape, rows, args.ops)]
+                   for r in sweep(shape, rows, args.ops, grid)]
         append_records(out, records)
         for key in sorted({(r["shape"], r["rows"], r["op"]) for r in records}):
             group = sorted((r for r in records if (r["shape"], r["rows"], r["op"]) == key), key=lambda r: r["us"])
@@ -191,10 +199,25 @@ def main() -> None:
               f"{r['qkv_relative_error']:.1e})")
 
 
+def _grid(overrides: list[str]) -> dict:
+    """SWEEP_GRID with `KEY=V1,V2` overrides (integer values)."""
+    grid = dict(SWEEP_GRID)
+    for item in overrides:
+        key, _, values = item.partition("=")
+        try:
+            parsed = [int(v) for v in values.split(",")]
+        except ValueError:
+            parsed = []
+        if key not in SWEEP_GRID or not parsed:
+            raise SystemExit(f"--grid {item!r}: expected KEY=V1,V2 with integers and KEY one of {list(SWEEP_GRID)}")
+        grid[key] = parsed
+    return grid
+
+
 def _default_setting(op: str) -> dict:
     from hf_vegas_kernels import _launch
 
-    return _launch.LINEAR_TUNING[op.split("(")[0]]
+    return {"split_k_len": 0, **_launch.LINEAR_TUNING[op.split("(")[0]]}
 
 
 if __name__ == "__main__":
