@@ -8,7 +8,7 @@ import copy
 
 def apply_tuning(overrides: list[str]) -> dict:
     """Set `KIND:KEY=VALUE` overrides into `_launch.TUNING` (KIND an attention kind), `_launch.LINEAR_TUNING` (a
-    projection kind: `linear:split_k_len=384`), `_launch.SELECT_TUNING` (KIND `select`) or `_launch.PDL`
+    projection kind: `gated:block_n=32`), `_launch.SELECT_TUNING` (KIND `select`) or `_launch.PDL`
     (`pdl:enabled=0`, `pdl:prefetch_weights=0`); values are ints, or floats. Returns them as a dict, for the
     records."""
     from hf_vegas_kernels import _launch

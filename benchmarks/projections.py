@@ -94,9 +94,8 @@ def measure(shape: str, rows: int) -> dict:
                                             down_n) * 1e6)
 
 
-# `split_k_len`: 0, or the longest slice of K one program takes (the last of a tile's programs sums the slices).
 SWEEP_GRID = dict(block_m=[16, 32, 64], block_n=[16, 32, 64, 128], block_k=[64, 128], num_warps=[2, 4],
-                  num_stages=[2, 4], split_k_len=[0])
+                  num_stages=[2, 4])
 
 
 def sweep(shape: str, rows: int, only: list[str] | None = None, grid: dict | None = None) -> list[dict]:
@@ -145,9 +144,8 @@ def sweep(shape: str, rows: int, only: list[str] | None = None, grid: dict | Non
                 setting = dict(zip(grid, values))
                 if setting["block_m"] > max(16, rows):
                     continue  # the launcher clamps it to the rows: a duplicate of a smaller block
-                if kind == "qkv_rope" and (setting["block_n"] != grid["block_n"][0]
-                                           or setting["split_k_len"] != grid["split_k_len"][0]):
-                    continue  # a program owns one head, over all of K: no column block or K split to choose
+                if kind == "qkv_rope" and setting["block_n"] != grid["block_n"][0]:
+                    continue  # a program owns one head: no column block to choose
                 _launch.LINEAR_TUNING[kind] = setting
                 records.append(dict(shape=shape, rows=rows, op=op, setting=setting, cublas_us=cublas_us,
                                     us=graph_time(lambda i: fused(sets[i % n]), n) * 1e6))
@@ -168,7 +166,7 @@ def main() -> None:
                         help="with --sweep: only these kernels (default: all)")
     parser.add_argument("--grid", nargs="+", default=[], metavar="KEY=V1,V2",
                         help=f"with --sweep: the values of a setting to sweep instead of SWEEP_GRID's (keys: "
-                             f"{', '.join(SWEEP_GRID)}), e.g. split_k_len=0,192,384 block_m=64")
+                             f"{', '.join(SWEEP_GRID)}), e.g. block_m=64 block_n=16,32")
     args = parser.parse_args()
     grid = _grid(args.grid)  # bad input fails before any GPU work
     if not torch.cuda.is_available():
@@ -217,7 +215,7 @@ def _grid(overrides: list[str]) -> dict:
 def _default_setting(op: str) -> dict:
     from hf_vegas_kernels import _launch
 
-    return {"split_k_len": 0, **_launch.LINEAR_TUNING[op.split("(")[0]]}
+    return _launch.LINEAR_TUNING[op.split("(")[0]]
 
 
 if __name__ == "__main__":

@@ -58,12 +58,7 @@ def _first(ptx: str, pattern: str) -> int:
 
 def _linear_constexprs(**flags):
     return dict(HAS_BIAS=False, HAS_RESIDUAL=False, GATED=True, ACT=1, ROW_SCALE=True, NORM_OUT=False, BLOCK_P=2,
-                SPLIT_K=1, BLOCK_M=64, BLOCK_N=16, BLOCK_K=128, PRECISION="tf32", USE_GDC=True, K_LINES=16, **flags)
-
-
-def _split_linear_constexprs(**flags):  # a down projection with its residual and the next norm's input, K split
-    return dict(_linear_constexprs(**flags), GATED=False, ROW_SCALE=False, HAS_RESIDUAL=True, NORM_OUT=True,
-                SPLIT_K=4, BLOCK_N=32, K_LINES=8)
+                BLOCK_M=64, BLOCK_N=16, BLOCK_K=128, PRECISION="tf32", USE_GDC=True, K_LINES=16, **flags)
 
 
 def _attention_constexprs(**flags):
@@ -80,7 +75,6 @@ def _qkv_rope_constexprs(**flags):
 
 CASES = {
     "gated_linear": ("linear", "_grouped_linear", _linear_constexprs),
-    "split_k_linear": ("linear", "_grouped_linear", _split_linear_constexprs),
     "sparse_attention": ("attention", "_attend_list", _attention_constexprs),
     "qkv_rope_write": ("qkv_rope", "_qkv_rope_write", _qkv_rope_constexprs),
 }

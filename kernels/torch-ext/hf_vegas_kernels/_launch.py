@@ -48,7 +48,10 @@ FUSED_COMBINE_MAX_SPLITS = 8
 # segment that it does not divide gets the next smaller one. Chosen on an H100 with `benchmarks/projections.py
 # --sweep` (records in benchmarks/results/projections_sweep.jsonl): narrow column blocks give SmolLM2's small
 # weights enough programs (q/k/v 3.5 us and gate/up 5.5 us at 64 rows, from 5.4 and 9.3 with 64-column blocks).
-# The benchmark overrides them to sweep.
+# The benchmark overrides them to sweep. Splitting K over more programs (the last of a tile's programs summing the
+# fp32 partials) was slower at every split tried (commit 18d867f, `projections.py --sweep --grid ... split_k_len=...`,
+# H100, 64 rows: down 3.84 us unsplit against 4.2-5.9 split, output 2.52 against 3.5-4.8, gate/up 3.39 against
+# 5.4-8.5): the merge's serial tail costs more than the narrower slices save. It was dropped.
 LINEAR_TUNING = {
     "qkv": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
     "gated": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},

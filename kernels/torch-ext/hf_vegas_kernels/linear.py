@@ -42,16 +42,15 @@ def _activate(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _tiles(X, W0, W1, rows, cols, m_ok, n_ok, k_start, k_end, stride_xm, stride_w0, stride_w1, PAIR: tl.constexpr,
+def _tiles(X, W0, W1, rows, cols, m_ok, n_ok, K, stride_xm, stride_w0, stride_w1, PAIR: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """`x[:, k_start:k_end] @ W0[cols, k_start:k_end].T` and, with `PAIR`, the same with W1, in one pass over the K
-    tiles: each x tile is loaded once for both products (gate and up), and the chain of dependent loads is as long
-    as for one."""
+    """`x @ W0[cols].T` and, with `PAIR`, `x @ W1[cols].T`, in one pass over the K tiles: each x tile is loaded
+    once for both products (gate and up), and the chain of dependent loads is as long as for one."""
     acc0 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < k_end
+        k_ok = k < K
         x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w_ok = n_ok[None, :] & k_ok[:, None]
         w0 = tl.load(W0 + cols[None, :] * stride_w0 + k[:, None], mask=w_ok, other=0.0)
@@ -73,11 +72,10 @@ def _row_scale(SumSq, rows, m_ok, K, eps, stride_sm, parts, BLOCK_P: tl.constexp
 
 @triton.jit
 def _grouped_linear(
-    X, W0, W1, W2, B0, B1, B2, Res, Out, SumSqIn, NormW, Scaled, SumSqOut, Part, Tickets, M, K, N0, N1, N2, eps,
-    parts_in, k_chunk, stride_xm, stride_w0, stride_w1, stride_w2, stride_rm, stride_om, stride_si, stride_sc,
-    stride_so,
+    X, W0, W1, W2, B0, B1, B2, Res, Out, SumSqIn, NormW, Scaled, SumSqOut, M, K, N0, N1, N2, eps, parts_in,
+    stride_xm, stride_w0, stride_w1, stride_w2, stride_rm, stride_om, stride_si, stride_sc, stride_so,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    ROW_SCALE: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT_K: tl.constexpr,
+    ROW_SCALE: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr, EARLY_TRIGGER: tl.constexpr, PREFETCH: tl.constexpr, K_LINES: tl.constexpr,
 ):
@@ -95,66 +93,29 @@ def _grouped_linear(
         W, B, stride_w, start, size = W2, B2, stride_w2, N0 + N1, N2
     cols = out_cols - start
     n_ok = cols < size
-    k_start = tl.program_id(2) * k_chunk  # this program's slice of K (all of it unless SPLIT_K)
-    k_end = tl.minimum(k_start + k_chunk, K)
     if PREFETCH:  # the weights are no earlier kernel's output: L2 fetches them while the kernel before still runs
-        prefetch_rows(W + k_start, cols, n_ok, stride_w, k_end - k_start, K_LINES)
+        prefetch_rows(W, cols, n_ok, stride_w, K, K_LINES)
         if GATED:
-            prefetch_rows(W1 + k_start, cols, n_ok, stride_w1, k_end - k_start, K_LINES)
+            prefetch_rows(W1, cols, n_ok, stride_w1, K, K_LINES)
     wait_for_inputs(USE_GDC, EARLY_TRIGGER)  # the input is the previous kernel's output
-    acc0, acc1 = _tiles(X, W, W1, rows, cols, m_ok, n_ok, k_start, k_end, stride_xm, stride_w, stride_w1, GATED,
-                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-    release_dependents(USE_GDC, EARLY_TRIGGER)
-    ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
-        _finish(acc0, acc1, B, Res, Out, SumSqIn, NormW, Scaled, SumSqOut, rows, cols, out_cols, m_ok, n_ok, ok, K,
-                eps, parts_in, stride_rm, stride_om, stride_si, stride_sc, stride_so, HAS_BIAS, HAS_RESIDUAL, GATED,
-                ACT, ROW_SCALE, NORM_OUT, BLOCK_P)
-    else:
-        # Split K: each program stores its fp32 partial products; the last of a tile's SPLIT_K programs to finish
-        # (an atomic ticket per tile) sums them in split order (every run alike) and finishes the tile. Every
-        # thread's stores precede the barrier, the barrier the ticket's release, and the last program reads the
-        # partials after its acquire, past L1 (".cg": the line may hold an earlier launch's partials).
-        pairs = 2 if GATED else 1
-        width = tl.num_programs(0) * BLOCK_N
-        part = Part + (tl.program_id(2) * pairs * M + rows[:, None]) * width + out_cols[None, :]
-        tl.store(part, acc0, mask=ok)
-        if GATED:
-            tl.store(part + M * width, acc1, mask=ok)
-        tl.debug_barrier()
-        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        if tl.atomic_add(Tickets + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            first = Part + rows[:, None] * width + out_cols[None, :]
-            acc0 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for split in tl.static_range(SPLIT_K):
-                acc0 += tl.load(first + split * pairs * M * width, mask=ok, other=0.0, cache_modifier=".cg")
-                if GATED:
-                    acc1 += tl.load(first + (split * pairs + 1) * M * width, mask=ok, other=0.0,
-                                    cache_modifier=".cg")
-            _finish(acc0, acc1, B, Res, Out, SumSqIn, NormW, Scaled, SumSqOut, rows, cols, out_cols, m_ok, n_ok, ok,
-                    K, eps, parts_in, stride_rm, stride_om, stride_si, stride_sc, stride_so, HAS_BIAS, HAS_RESIDUAL,
-                    GATED, ACT, ROW_SCALE, NORM_OUT, BLOCK_P)
-            tl.atomic_xchg(Tickets + tile, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-
-
-@triton.jit
-def _finish(acc0, acc1, B, Res, Out, SumSqIn, NormW, Scaled, SumSqOut, rows, cols, out_cols, m_ok, n_ok, ok, K, eps,
-            parts_in, stride_rm, stride_om, stride_si, stride_sc, stride_so, HAS_BIAS: tl.constexpr,
-            HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, ROW_SCALE: tl.constexpr,
-            NORM_OUT: tl.constexpr, BLOCK_P: tl.constexpr):
-    """A tile's epilogue from its fp32 products over all of K (`acc1`: the up projection's, gated)."""
     if GATED:
+        gate, up = _tiles(X, W0, W1, rows, cols, m_ok, n_ok, K, stride_xm, stride_w0, stride_w1, True, BLOCK_M,
+                          BLOCK_N, BLOCK_K, PRECISION)
+        release_dependents(USE_GDC, EARLY_TRIGGER)
         if ROW_SCALE:  # the input was `x * norm_weight`: the RMSNorm's per-row factor scales the products
             scale = _row_scale(SumSqIn, rows, m_ok, K, eps, stride_si, parts_in, BLOCK_P)[:, None]
-            acc0, acc1 = acc0 * scale, acc1 * scale
-        result = _activate(acc0, ACT) * acc1
+            gate, up = gate * scale, up * scale
+        result = _activate(gate, ACT) * up
     else:
-        result = acc0
+        result, _ = _tiles(X, W, W, rows, cols, m_ok, n_ok, K, stride_xm, stride_w, stride_w, False, BLOCK_M,
+                           BLOCK_N, BLOCK_K, PRECISION)
+        release_dependents(USE_GDC, EARLY_TRIGGER)
         if HAS_BIAS:
             result += tl.load(B + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_RESIDUAL:  # one rounding of the fp32 sum, as cuBLAS' addmm (beta = 1) rounds
-            result += tl.load(Res + rows[:, None] * stride_rm + out_cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            result += tl.load(Res + rows[:, None] * stride_rm + out_cols[None, :], mask=m_ok[:, None] & n_ok[None, :],
+                              other=0.0).to(tl.float32)
+    ok = m_ok[:, None] & n_ok[None, :]
     out = result.to(Out.dtype.element_ty)
     tl.store(Out + rows[:, None] * stride_om + out_cols[None, :], out, mask=ok)
     if NORM_OUT:  # for the next RMSNorm: this block's sum of squares of each rounded row, and the row times its weight
@@ -193,15 +154,6 @@ def _setting(kind: str, rows: int, sizes: list[int], element_bytes: int) -> dict
     return setting
 
 
-def _k_split(width: int, setting: dict) -> tuple[int, int]:
-    """(K slice, slices) of a launch: slices of at most `setting["split_k_len"]` (0: no split), whole K blocks."""
-    longest = setting.get("split_k_len", 0)
-    if not longest or width <= longest:
-        return width, 1
-    chunk = triton.cdiv(longest, setting["block_k"]) * setting["block_k"]
-    return chunk, triton.cdiv(width, chunk)
-
-
 def _column_block(setting: dict, sizes: list[int], device: torch.device) -> int:
     # Triton's CPU interpreter (tests) pays per program: there the widest column block that fits, not the GPU's.
     if device.type != "cuda" and INTERPRETER_BLOCK_N:
@@ -232,30 +184,21 @@ def _launch_linear(kind, x2, weights, biases, out, act=0, residual=None, row_sum
     bias = (list(biases) if has_bias else [x2] * len(weights)) + [x2] * (3 - len(weights))
     norm_weight, scaled, sumsq_out = norm_out if norm_out is not None else (x2, out, None)
     sumsq_in = row_sumsq if row_sumsq is not None else out
-    rows, width = x2.shape
-    grid = (triton.cdiv(out_cols, block_n), triton.cdiv(rows, setting["block_m"]))
-    k_chunk, splits = _k_split(width, setting)
-    if splits > 1:  # fp32 partial products of every split, and a ticket per tile (`_grouped_linear`)
-        part = _launch.empty(splits * (2 if gated else 1) * rows * grid[0] * block_n, dtype=torch.float32,
-                             device=x2.device)
-        tickets = _launch.tickets(grid[0] * grid[1], x2.device)
-    else:
-        part = tickets = out  # unused
-    _grouped_linear[(*grid, splits)](
+    _grouped_linear[(triton.cdiv(out_cols, block_n), triton.cdiv(x2.shape[0], setting["block_m"]))](
         x2, *padded, *bias, out if residual is None else residual, out, sumsq_in, norm_weight, scaled,
-        out if sumsq_out is None else sumsq_out, part, tickets,
-        rows, width, *(sizes + [0] * (3 - len(sizes))), float(eps),
-        1 if row_sumsq is None else row_sumsq.shape[1], k_chunk, x2.stride(0), *(w.stride(0) for w in padded),
+        out if sumsq_out is None else sumsq_out,
+        x2.shape[0], x2.shape[1], *(sizes + [0] * (3 - len(sizes))), float(eps),
+        1 if row_sumsq is None else row_sumsq.shape[1], x2.stride(0), *(w.stride(0) for w in padded),
         out.stride(0) if residual is None else residual.stride(0), out.stride(0), sumsq_in.stride(0),
         scaled.stride(0), out.stride(0) if sumsq_out is None else sumsq_out.stride(0),
         HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None, GATED=gated, ACT=act, ROW_SCALE=row_sumsq is not None,
-        NORM_OUT=norm_out is not None, SPLIT_K=splits,
+        NORM_OUT=norm_out is not None,
         BLOCK_P=max(2, triton.next_power_of_2(1 if row_sumsq is None else row_sumsq.shape[1])),
         BLOCK_M=setting["block_m"], BLOCK_N=block_n, BLOCK_K=setting["block_k"],
         PRECISION=_launch.dot_precision(x2.dtype), USE_GDC=_launch.pdl(x2.device),
         EARLY_TRIGGER=_launch.pdl_option(x2.device, "early_trigger"),
         PREFETCH=_launch.pdl_option(x2.device, "prefetch_weights"),
-        K_LINES=lines(k_chunk, weights[0].element_size()),
+        K_LINES=lines(x2.shape[1], weights[0].element_size()),
         num_warps=setting["num_warps"], num_stages=setting["num_stages"], **_launch.pdl_launch(x2.device),
     )
 
