@@ -124,5 +124,19 @@ def test_without_the_options_nothing_is_prefetched_and_the_release_follows_the_m
     assert _first(ptx, r"griddepcontrol\.wait") < last_mma < _first(ptx, r"griddepcontrol\.launch_dependents")
 
 
+def test_weights_are_prefetched_only_where_they_fit_a_share_of_l2(monkeypatch):
+    """Larger weights would evict each other's prefetched lines before use (Qwen3-8B's gate/up: 201 MB a launch)."""
+    import torch
+    from hf_vegas_kernels import _launch
+
+    monkeypatch.setattr(_launch, "pdl", lambda device: True)  # as on a Hopper GPU
+    monkeypatch.setattr(_launch, "_l2_bytes", lambda index: 50 << 20)
+    gpu = torch.device("cuda", 0)
+    share = int(_launch.PDL["prefetch_l2_fraction"] * (50 << 20))
+    assert _launch.prefetch_weights(gpu, share) and not _launch.prefetch_weights(gpu, share + 1)
+    monkeypatch.setitem(_launch.PDL, "prefetch_weights", 0)
+    assert not _launch.prefetch_weights(gpu, 1)
+
+
 if __name__ == "__main__":  # the `compiled` fixture's process
     print(json.dumps(_compile_all()))

@@ -78,12 +78,14 @@ SELECT_TUNING = {"num_warps": 0}
 # triggers only after it has waited: completion is transitive, so a kernel may read what one several launches back
 # wrote. The benchmarks switch it off (`--tuning pdl:enabled=0`) to measure it.
 # `early_trigger`: a kernel releases the next one right after its wait instead of after its main loop, and
-# `prefetch_weights`: before waiting, the projections ask L2 for their weight rows (`_pdl.py` says why that is safe).
-# Measured together (`throughput.py --tuning-sets`, real SmolLM2 at 64 x 7.5K, greedy, compiled, H100, one process,
-# two passes, commit f333b92): a draft step took 1.254 / 1.254 ms with neither, 1.277 / 1.279 with the early release
-# alone, 1.235 / 1.237 with both (Vegas 25,346 / 25,360 -> 25,555 / 25,551 tokens/s). Prefetching a sparse draft's
-# gathered keys and values too (before its attention's wait) took it to 1.313 / 1.314 ms, and was dropped.
-PDL = {"enabled": 1, "early_trigger": 1, "prefetch_weights": 1}
+# `prefetch_weights`: before waiting, the projections ask L2 for their weight rows (`_pdl.py` says why that is safe),
+# where a launch's weights take at most `prefetch_l2_fraction` of the L2 cache (more would evict each other before
+# use). Measured together (`throughput.py --tuning-sets`, real SmolLM2 at 64 x 7.5K, greedy, compiled, H100, one
+# process, two passes, commit f333b92): a draft step took 1.254 / 1.254 ms with neither, 1.277 / 1.279 with the early
+# release alone, 1.235 / 1.237 with both (Vegas 25,346 / 25,360 -> 25,555 / 25,551 tokens/s). Prefetching a sparse
+# draft's gathered keys and values too took it to 1.313 / 1.314 ms, and was dropped. At the Qwen3-8B shape (4 x 32K,
+# H100, b41339e), prefetching every weight (up to 201 MB a launch) took the draft step from 7.67 to 8.92 ms.
+PDL = {"enabled": 1, "early_trigger": 1, "prefetch_weights": 1, "prefetch_l2_fraction": 0.25}
 
 
 @functools.cache
@@ -111,6 +113,17 @@ def pdl_option(device: torch.device, option: str) -> bool:
     """Whether `PDL[option]` ("early_trigger", "prefetch_weights") applies to kernels on `device`:
     only where they launch as programmatic dependents at all."""
     return bool(PDL[option]) and pdl(device)
+
+
+def prefetch_weights(device: torch.device, weight_bytes: int) -> bool:
+    """Whether a projection launch on `device` whose weights take `weight_bytes` prefetches them before its wait."""
+    return pdl_option(device, "prefetch_weights") and weight_bytes <= PDL["prefetch_l2_fraction"] * _l2_bytes(
+        device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _l2_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).L2_cache_size
 
 
 def pdl_launch(device: torch.device) -> dict:

@@ -197,7 +197,7 @@ def _launch_linear(kind, x2, weights, biases, out, act=0, residual=None, row_sum
         BLOCK_M=setting["block_m"], BLOCK_N=block_n, BLOCK_K=setting["block_k"],
         PRECISION=_launch.dot_precision(x2.dtype), USE_GDC=_launch.pdl(x2.device),
         EARLY_TRIGGER=_launch.pdl_option(x2.device, "early_trigger"),
-        PREFETCH=_launch.pdl_option(x2.device, "prefetch_weights"),
+        PREFETCH=_launch.prefetch_weights(x2.device, sum(w.numel() * w.element_size() for w in weights)),
         K_LINES=lines(x2.shape[1], weights[0].element_size()),
         num_warps=setting["num_warps"], num_stages=setting["num_stages"], **_launch.pdl_launch(x2.device),
     )

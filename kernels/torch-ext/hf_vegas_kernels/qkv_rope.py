@@ -133,7 +133,8 @@ def qkv_rope_write(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
         BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_K=setting["block_k"],
         PRECISION=_launch.dot_precision(x.dtype), USE_GDC=_launch.pdl(x.device),
         EARLY_TRIGGER=_launch.pdl_option(x.device, "early_trigger"),
-        PREFETCH=_launch.pdl_option(x.device, "prefetch_weights"), K_LINES=lines(width, wq.element_size()),
+        PREFETCH=_launch.prefetch_weights(x.device, sum(w.numel() * w.element_size() for w in (wq, wk, wv))),
+        K_LINES=lines(width, wq.element_size()),
         num_warps=setting["num_warps"], num_stages=setting["num_stages"], **_launch.pdl_launch(x.device),
     )
     return q
