@@ -2,6 +2,7 @@
 
     python benchmarks/kernel_bandwidth.py                       # all shapes, batch {1, 8, 64}, context {8K, 32K, 128K}
     python benchmarks/kernel_bandwidth.py --shapes qwen3-8b --batches 4 --contexts 32768
+    python benchmarks/kernel_bandwidth.py --sweep --verify-only --shapes smollm2-135m --batches 64 --contexts 7500
 
 For each (model shape, batch, context) that fits in memory it measures, with CUDA graphs (launch cost amortised)
 over enough cache copies that the working set exceeds L2:
@@ -78,6 +79,12 @@ def bench_shape(name, batch, context, dtype, bandwidth, base, write, light=False
     q_bytes = lambda q: q.numel() * elem * 2  # read q, write out
     if light == "draft":
         return {"draft": _draft_time(q1, caches, slot1, kv_len, context, batch, scaling)}
+    if light == "verify":  # as the generation verifies: softmax-weight scores (its default) of two query rows
+        rows = torch.tensor([0, GAMMA], device="cuda")
+        return {"verify": graph_time(lambda i: kernels.dense_attention(qv, *caches[i], slotv, kv_len, scaling),
+                                     copies),
+                "verify_weights": graph_time(lambda i: kernels.verify_attention(qv, *caches[i], slotv, kv_len,
+                                                                                scaling, rows, "weights"), copies)}
 
     # Dense decode and verification (full cache, per-row length).
     full_read = batch * context * kv_bytes_per_slot
@@ -146,8 +153,9 @@ def _draft_time(q1, caches, slot1, kv_len, context, batch, scaling) -> float:
                                                  scaling, list_len=top + tail, split_len=split_len), len(caches))
 
 
-def sweep(name, batch, context, dtype, bandwidth, base, write, draft_only=False):
-    """Time draft, dense and verify(+logits) (or the draft alone) under every launch setting of a grid, set into
+def sweep(name, batch, context, dtype, bandwidth, base, write, draft_only=False, verify_only=False):
+    """Time draft, dense and verify(+logits) (or the draft alone, or the verification alone, without and with the
+    softmax-weight scores a generation emits) under every launch setting of a grid, set into
     `_launch.TUNING` (waves 0: one split per (row, KV head), which a sparse draft writes itself while dense and verify
     pass it through the combine launch; `fused_combine`: the last split, or the only one, merges in the kernel, no
     combine launch)."""
@@ -158,15 +166,18 @@ def sweep(name, batch, context, dtype, bandwidth, base, write, draft_only=False)
     default = {kind: dict(values) for kind, values in _launch.TUNING.items()}
     try:
         grid = (product([16, 32, 64, 128], [2, 4, 8], [1, 2, 3, 4], [0, 1, 2, 3], [False, True]) if draft_only
+                else product([32, 64, 128], [4, 8], [2, 3], [1, 2, 4], [True]) if verify_only
                 else product([32, 64, 128], [2, 4, 8], [2, 3], [0, 1, 2, 4, 8], [False, True]))
+        kinds = (["sparse", "sparse_wide_head"] if draft_only else ["verify", "verify_wide_head"] if verify_only
+                 else list(_launch.TUNING))
         for block_n, warps, stages, waves, fused in grid:
             setting = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves,
                        "fused_combine": fused}
             # sparse and dense lists alike
-            for kind in ["sparse", "sparse_wide_head"] if draft_only else _launch.TUNING:
+            for kind in kinds:
                 _launch.TUNING[kind] = dict(setting)
             times = bench_shape(name, batch, context, dtype, bandwidth, base, lambda record: None,
-                                light="draft" if draft_only else True)
+                                light="draft" if draft_only else "verify" if verify_only else True)
             write({**base, "sweep": setting, "shape": name, "batch": batch, "context": context,
                    "op": "sweep", **{f"{op}_us": t * 1e6 for op, t in times.items()}})
     finally:
@@ -182,6 +193,8 @@ def main() -> None:
     parser.add_argument("--max-gib", type=float, default=40.0, help="skip configurations whose cache exceeds this")
     parser.add_argument("--sweep", action="store_true", help="sweep the attention kernel's launch settings instead")
     parser.add_argument("--draft-only", action="store_true", help="with --sweep: the sparse draft attention only")
+    parser.add_argument("--verify-only", action="store_true",
+                        help="with --sweep: the verification only, without and with softmax-weight scores")
     parser.add_argument("--boost", type=float, default=1.0,
                         help="draft budgets spread over [budget, boost x budget] with the generation's split hints")
     parser.add_argument("--tuning", nargs="+", default=[], metavar="KIND:KEY=VALUE",
@@ -220,15 +233,17 @@ def main() -> None:
             continue
         if args.sweep:
             summary[(name, batch, context)] = sweep(name, batch, context, dtype, bandwidth, base, write,
-                                                    args.draft_only)
+                                                    args.draft_only, args.verify_only)
         else:
             summary[(name, batch, context)] = bench_shape(name, batch, context, dtype, bandwidth, base, write)
     if args.sweep:
         for key in summary:
             rows = [r for r in records if (r["shape"], r["batch"], r["context"]) == key]
-            for op in ("draft",) if args.draft_only else ("draft", "dense", "verify", "verify_logits"):
-                best = min(rows, key=lambda r: r[f"{op}_us"])
-                print(f"{key} best {op}: {best[f'{op}_us']:.1f} us with {best['sweep']}")
+            ops = (("draft",) if args.draft_only else ("verify", "verify_weights") if args.verify_only
+                   else ("draft", "dense", "verify", "verify_logits"))
+            for op in ops:
+                for rank, best in enumerate(sorted(rows, key=lambda r: r[f"{op}_us"])[:3], 1):
+                    print(f"{key} {op} #{rank}: {best[f'{op}_us']:.1f} us with {best['sweep']}")
         return
 
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s, read bandwidth {base['read_bandwidth_GBps']:.0f} GB/s "
