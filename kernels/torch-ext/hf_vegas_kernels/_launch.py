@@ -27,6 +27,10 @@ import torch
 # 64 x 7.5K greedy iteration's six draft steps from 8.18 to 8.02 ms and the whole iteration from 16.18 to 15.76 ms
 # (`throughput.py --tuning sparse:fused_combine=1`, real model, compiled, H100, same call, commit 9eb3d03).
 #
+# The verification with the softmax-weight scores a generation emits keeps the "verify" setting: it was the best of 36
+# (`--sweep --verify-only`, SmolLM2 64 x 7.5K, H100, commit 4979630: 155.4 us against 157.9 for the next; 141.8 us
+# without scores).
+#
 # `sparse_wide_head`: sparse drafts with head_dim 128 (Qwen3-8B shape at 32K, a 2.3K-slot selection; `--sweep
 # --draft-only --shapes qwen3-8b`, H100, commit a95ad78, kernels_sweep.jsonl) want two pipeline stages, whose tiles
 # leave room for more programs per SM: 20.0 us at batch 4 and 64.3 at batch 16, against 24.1 and 68.9 with the head_dim
