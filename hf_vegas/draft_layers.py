@@ -21,7 +21,9 @@ layer's first through `carry`, and taken only when the next layer receives the v
 decoder that passes another tensor between layers gets its own norm launch back. (One that changed that tensor in
 place would go unnoticed; Llama's and its kin's decoders do not, and a wrong draft input would cost acceptance only,
 never a token.) In fp16, whose range `h * norm_weight` could exceed where the normalised value would not, and at a
-hidden size no block of 16 divides, the norms stay launches of their own (seven kernels per layer).
+hidden size no block of 16 divides, the norms stay launches of their own (seven kernels per layer). The rotary tables
+ride along the same way: the first layer of a chain writes `cos` and `sin` into one buffer (`_rope_tables`) and each
+layer hands it to the next, so a compiled step computes them once, not in launches between the layers.
 
 (Before, the projection and the rotary embedding were two launches, and each residual sum was cuBLAS' `addmm`,
 which a compiled step runs as a copy of the residual and the GEMM: eleven kernels per layer; then seven, with the
@@ -166,12 +168,16 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
     bias = parts.qkv_bias or (None, None, None)
     handed = carry.pop(parts.layer_idx, None)  # the layer before wrote this layer's norm input with its output
     if handed is not None and handed[0] is hidden_states:
-        normed, row_sumsq = handed[1], handed[2]
+        normed, row_sumsq, rope = handed[1], handed[2], handed[3]
     else:
-        normed, row_sumsq = kernels.rms_norm(x, parts.norm_in, parts.eps_in).view(batch, tokens, hidden), None
+        normed = kernels.rms_norm(x, parts.norm_in, parts.eps_in).view(batch, tokens, hidden)
+        row_sumsq = rope = None
+    if rope is None or rope[0] is not position_embeddings:  # the first layer of a chain (or new tables)
+        rope = (position_embeddings, _rope_tables(*position_embeddings) if parts.next_norm is not None
+                else tuple(t.contiguous() for t in position_embeddings))
+    cos, sin = rope[1]
     cache.begin_layer(parts.layer_idx, tokens)
     store = cache.layers[parts.layer_idx]
-    cos, sin = (t.contiguous() for t in position_embeddings)
     q = kernels.qkv_rope_write(normed, *parts.qkv, *bias, cos, sin, store.keys, store.values, cache.plan.write_slots,
                                parts.q_heads, parts.kv_heads, parts.head_dim, row_sumsq, parts.eps_in)
     sel = cache.selection
@@ -194,7 +200,29 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
         return kernels.linear_residual_op(gated, parts.down, x).view(batch, tokens, hidden)
     out, scaled, row_sumsq = kernels.linear_residual_norm(gated, parts.down, x, parts.next_norm[0])
     out = out.view(batch, tokens, hidden)
-    carry[parts.layer_idx + 1] = (out, scaled.view(batch, tokens, hidden), row_sumsq)
+    carry[parts.layer_idx + 1] = (out, scaled.view(batch, tokens, hidden), row_sumsq, rope)
+    return out
+
+
+@torch.library.custom_op("hf_vegas::rope_tables_into", mutates_args=("out",))
+def _rope_tables_into(cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """`out[0] = cos`, `out[1] = sin`."""
+    torch.stack((cos, sin), out=out)
+
+
+@_rope_tables_into.register_fake
+def _(cos, sin, out):
+    return None
+
+
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """A forward's rotary tables `(2, *cos.shape)`, written once for a chain of fused layers, which hand them down
+    with the norm input. Compiled, inductor would give each fused layer its own copy of `cos` and `sin` (its input to
+    an op), and on a GPU it computes some of those copies in launches of their own between the layers: 7 per
+    SmolLM2 draft step of 30 layers, each a break in the chain of dependent launches. Written by an op, the tables
+    are one buffer that every layer reads."""
+    out = torch.empty(2, *cos.shape, dtype=cos.dtype, device=cos.device)
+    _rope_tables_into(cos.contiguous(), sin.contiguous(), out)
     return out
 
 

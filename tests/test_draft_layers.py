@@ -128,35 +128,41 @@ def _draft_step(model, ids, mask, fused: bool, compile_with=None):
 
 def test_each_layer_hands_the_next_its_norm_input(monkeypatch):
     """The input norm runs as a launch of its own in the first layer only, in eager and compiled steps (each later
-    norm rides in the projections); a decoder that changes the hidden states between layers gets its norms back."""
+    norm rides in the projections), and so do the rotary tables' one copy; a decoder that changes the hidden states
+    between layers gets its norms (and tables) back."""
     model = _random_norms(tiny_model("llama")).to(DEVICE)
     ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
     want = _draft_step(model, ids, mask, fused=False)
-    norms = []
-    original = kernels.rms_norm
+    norms, tables = [], []
+    original, original_tables = kernels.rms_norm, draft_layers._rope_tables
     monkeypatch.setattr(kernels, "rms_norm", lambda *args: norms.append(1) or original(*args))
+    monkeypatch.setattr(draft_layers, "_rope_tables", lambda *args: tables.append(1) or original_tables(*args))
     assert_fp32_close(_draft_step(model, ids, mask, fused=True), want)
     assert len(norms) == 1, "the first layer's input norm only"
+    assert len(tables) == 1, "the first layer's tables only"
     monkeypatch.setattr(kernels, "rms_norm", original)
 
     graphs = []
 
-    def count_norms(gm, example_inputs):  # the compiled step's graph: its norm launches
-        graphs.append(sum(node.target is torch.ops.hf_vegas.rms_norm.default for node in gm.graph.nodes))
+    def count_launches(gm, example_inputs):  # the compiled step's graph: its norm launches and table copies
+        graphs.append(tuple(sum(node.target is op for node in gm.graph.nodes) for op in (
+            torch.ops.hf_vegas.rms_norm.default, torch.ops.hf_vegas.rope_tables_into.default)))
         return gm.forward
 
     torch._dynamo.reset()
-    assert_fp32_close(_draft_step(model, ids, mask, fused=True, compile_with=count_norms), want)
-    assert graphs == [1], graphs
+    assert_fp32_close(_draft_step(model, ids, mask, fused=True, compile_with=count_launches), want)
+    assert graphs == [(1, 1)], graphs
 
     # Hidden states that are not the tensor the layer before returned (as a decoder that changes them between layers
     # would pass): every layer normalises its own input again, and the step still computes the model's.
     fused_forward = draft_layers._draft_forward
     monkeypatch.setattr(draft_layers, "_draft_forward", lambda *args: fused_forward(*args).clone())
     norms.clear()
+    tables.clear()
     monkeypatch.setattr(kernels, "rms_norm", lambda *args: norms.append(1) or original(*args))
     assert_fp32_close(_draft_step(model, ids, mask, fused=True), want)
     assert len(norms) == model.config.num_hidden_layers
+    assert len(tables) == model.config.num_hidden_layers - 1  # (the last layer hands nothing on: it reads them)
 
 
 def test_norms_stay_launches_in_fp16_and_at_widths_no_block_divides(monkeypatch):
