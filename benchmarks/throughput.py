@@ -3,6 +3,8 @@
     python benchmarks/throughput.py                           # every default workload (below), greedy and sampling
     python benchmarks/throughput.py --workloads smollm2:64x7500 --decodings greedy
     python benchmarks/throughput.py --sweep --compile         # the regime map: SmolLM2, batch x prompt grid
+    python benchmarks/throughput.py --workloads smollm2:64x7500 --methods vegas --compile --repeats 2 --tuning-sets
+        "pdl:early_trigger=0" ""                              # (one command) an A/B of launch settings, one process
     python benchmarks/plot_throughput.py                      # README's PNG, from the JSONL
     python benchmarks/plot_regime.py                          # the regime map's PNG
 
