@@ -192,9 +192,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--max-gib", type=float, default=40.0, help="skip configurations whose cache exceeds this")
     parser.add_argument("--sweep", action="store_true", help="sweep the attention kernel's launch settings instead")
-    parser.add_argument("--draft-only", action="store_true", help="with --sweep: the sparse draft attention only")
-    parser.add_argument("--verify-only", action="store_true",
-                        help="with --sweep: the verification only, without and with softmax-weight scores")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--draft-only", action="store_true", help="with --sweep: the sparse draft attention only")
+    only.add_argument("--verify-only", action="store_true",
+                      help="with --sweep: the verification only, without and with softmax-weight scores")
     parser.add_argument("--boost", type=float, default=1.0,
                         help="draft budgets spread over [budget, boost x budget] with the generation's split hints")
     parser.add_argument("--tuning", nargs="+", default=[], metavar="KIND:KEY=VALUE",
@@ -203,6 +204,8 @@ def main() -> None:
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.jsonl"))
     args = parser.parse_args()
+    if (args.draft_only or args.verify_only) and not args.sweep:
+        parser.error("--draft-only and --verify-only narrow a --sweep; add --sweep")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernel_bandwidth.py needs a CUDA GPU.")
     dtype = getattr(torch, args.dtype)

@@ -6,6 +6,11 @@ from __future__ import annotations
 import copy
 
 
+# Keys an attention kind may take beside those its default setting has (`attention.attend` reads them with defaults).
+ATTENTION_KEYS = {"block_n", "num_warps", "num_stages", "waves", "nearest", "fused_combine",
+                  "fused_combine_max_splits"}
+
+
 def apply_tuning(overrides: list[str]) -> dict:
     """Set `KIND:KEY=VALUE` overrides into `_launch.TUNING` (KIND an attention kind), `_launch.LINEAR_TUNING` (a
     projection kind: `gated:block_n=32`), `_launch.SELECT_TUNING` (KIND `select`) or `_launch.PDL`
@@ -20,8 +25,9 @@ def apply_tuning(overrides: list[str]) -> dict:
         key, _, value = setting.partition("=")
         if kind not in tables or not key or not value:
             raise SystemExit(f"--tuning {item!r}: expected KIND:KEY=VALUE with KIND one of {sorted(tables)}")
-        if kind in ("select", "pdl") and key not in tables[kind]:  # (attention kinds take optional keys)
-            raise SystemExit(f"--tuning {item!r}: {kind} takes KEY one of {sorted(tables[kind])}")
+        keys = set(tables[kind]) | (ATTENTION_KEYS if kind in _launch.TUNING else set())
+        if key not in keys:  # a misspelt key would be recorded as applied while it changes nothing
+            raise SystemExit(f"--tuning {item!r}: {kind} takes KEY one of {sorted(keys)}")
         try:
             number = float(value)
         except ValueError:

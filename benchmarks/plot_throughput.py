@@ -31,10 +31,12 @@ def main() -> None:
     parser.add_argument("--commit", nargs="*", default=None, help="plot only these commits' records (default: all)")
     args = parser.parse_args()
     records = read_records(args.records)
-    latest = {}  # the last record of each measurement wins (compiler experiments, `--inductor`, are not plotted)
+    # The last record of each measurement wins. Experiments are not plotted: compiler options (`--inductor`) and launch
+    # settings other than the defaults (`--tuning`, `--tuning-sets`).
+    latest = {}
     for r in records:
         if (args.commit is None or r["commit"] in args.commit) and "tokens_per_s" in r and not r.get("sweep") \
-                and not r.get("inductor"):
+                and not r.get("inductor") and not r.get("tuning_overrides") and not r.get("tuning_set"):
             # a tensor-parallel run is its own panel ("qwen3-8b-shape, TP = 2"): its bars are those of N GPUs
             model = r["model"] + (f", TP = {r['world_size']}" if r.get("world_size", 1) > 1 else "")
             latest[(model, r["decoding"], r["batch"], r["prompt_tokens"], r["method"])] = r

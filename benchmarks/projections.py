@@ -168,6 +168,8 @@ def main() -> None:
                         help=f"with --sweep: the values of a setting to sweep instead of SWEEP_GRID's (keys: "
                              f"{', '.join(SWEEP_GRID)}), e.g. block_m=64 block_n=16,32")
     args = parser.parse_args()
+    if args.grid and not args.sweep:
+        parser.error("--grid narrows a --sweep; add --sweep")
     grid = _grid(args.grid)  # bad input fails before any GPU work
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/projections.py needs a CUDA GPU.")
@@ -208,6 +210,9 @@ def _grid(overrides: list[str]) -> dict:
             parsed = []
         if key not in SWEEP_GRID or not parsed:
             raise SystemExit(f"--grid {item!r}: expected KEY=V1,V2 with integers and KEY one of {list(SWEEP_GRID)}")
+        powers_of_two = all(v >= 1 and not v & (v - 1) for v in parsed)
+        if (min(parsed) < 1) if key == "num_stages" else not powers_of_two:
+            raise SystemExit(f"--grid {item!r}: block sizes and num_warps take powers of two, num_stages 1 or more")
         grid[key] = parsed
     return grid
 

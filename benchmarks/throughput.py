@@ -292,12 +292,14 @@ def main() -> None:
     earlier = []  # earlier real-model records, for the projections only (not re-written or re-printed)
     if args.project_from:
         earlier = [r for r in read_records(args.project_from) if r["real_weights"] and "error" not in r]
-    jobs = [(w, d, m, s) for _ in range(args.repeats) for w in plan
+    # Every pass runs every job; the sets take turns in opposite orders in alternate passes, so that neither is always
+    # the one that runs first (after a model load or another method).
+    jobs = [(rep, w, d, m, s) for rep in range(args.repeats) for w in plan
             for d in (args.decodings if w.real_weights else ["greedy"]) for m in args.methods
-            for s in (tuning_sets if m != "hf" else [None])]
+            for s in ((tuning_sets if rep % 2 == 0 else tuning_sets[::-1]) if m != "hf" else [None])]
     bar = tqdm(jobs, desc="throughput", dynamic_ncols=True, disable=args.no_progress or not leader)
     current_set = None
-    for workload, decoding, method, tuning_set in bar:
+    for repeat, workload, decoding, method, tuning_set in bar:
         bar.set_postfix_str(f"{workload} {decoding} {method}" + (f" [{tuning_set}]" if tuning_set is not None else ""))
         if tuning_set != current_set and loaded[1] is not None:
             hf_vegas.release_graphs(loaded[1])  # graphs captured under other launch settings must not replay
@@ -323,7 +325,8 @@ def main() -> None:
                       batch=workload.batch,
                       prompt_tokens=int(mask.sum(dim=1).max()), new_tokens=new_tokens, decoding=decoding,
                       method=method, config=config.to_dict() if config else {"cache_implementation": "static"},
-                      **({"tuning_set": set_overrides} if tuning_set is not None else {}))
+                      **({"tuning_set": set_overrides} if tuning_set is not None else {}),
+                      **({"repeat": repeat} if args.repeats > 1 else {}))
         try:
             if method == "hf":
                 hf_vegas.release_graphs()  # give HF the memory our cache held
@@ -397,7 +400,8 @@ def _add_ratios(record, records) -> None:
     """Speedups over HF and our dense path measured in this run, and the traffic model's over dense (the ratio of
     the two bounds: what the bytes alone would allow at this workload and the measured tokens per iteration)."""
     for other in records:
-        same = all(other.get(k) == record[k] for k in ("model", "batch", "prompt_tokens", "decoding"))
+        same = all(other.get(k) == record[k] for k in ("model", "batch", "prompt_tokens", "decoding")) \
+            and other.get("repeat") == record.get("repeat")  # (`--repeats`: within one pass)
         if not same or "tokens_per_s" not in other or other["method"] not in ("hf", "dense"):
             continue
         if other["method"] == "dense" and other.get("tuning_set") != record.get("tuning_set"):
@@ -440,7 +444,8 @@ def print_table(records) -> None:
               f"{r.get('tokens_per_iteration', 1.0):>8.2f} {r.get('iterations') or '':>5} "
               f"{r.get('straggler_tail', nan):>5.2f} {r.get('x_hf', nan):>6.2f} {r.get('x_dense', nan):>7.2f} "
               f"{r.get('predicted_x_dense', nan):>6.2f} {r.get('peak_memory_GiB', nan):>8.1f}  {parts}"
-              + (f"  [{' '.join(f'{k}={v}' for k, v in r['tuning_set'].items())}]" if "tuning_set" in r else ""))
+              + (f"  [{' '.join(f'{k}={v}' for k, v in r['tuning_set'].items())}]" if "tuning_set" in r else "")
+              + (f"  pass {r['repeat'] + 1}" if "repeat" in r else ""))
     print("* projected: measured iteration time x tokens per iteration of the real model (random weights); "
           "pred.: the traffic model's speedup over dense; tail: iterations over those a row of average acceptance "
           "needs (the batch waits for its slowest row)")

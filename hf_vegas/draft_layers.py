@@ -3,7 +3,8 @@
 A SmolLM2 draft step at batch 64 is bound by its launch count, not its bytes (`benchmarks/profile_forward.py`):
 even compiled, each layer is eleven kernels of 1-4 us (add + norm, q/k/v, two rotary halves, the cache write, the
 sparse attention, the output projection, add + norm, gate/up, down, add). In draft steps a layer whose code is
-exactly Llama's runs instead as five kernels (six when the draft attention splits its list; six for the first layer):
+exactly Llama's runs instead as five kernels (six when the draft attention splits its list; the first layer of a
+chain adds its input norm and the rotary tables' copy):
 
     [input RMSNorm: the first layer only]                   hf_vegas_kernels.rms_norm
     q/k/v projection + rotary embedding + cache write       hf_vegas_kernels.qkv_rope_write
@@ -222,7 +223,7 @@ def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     SmolLM2 draft step of 30 layers, each a break in the chain of dependent launches. Written by an op, the tables
     are one buffer that every layer reads."""
     out = torch.empty(2, *cos.shape, dtype=cos.dtype, device=cos.device)
-    _rope_tables_into(cos.contiguous(), sin.contiguous(), out)
+    _rope_tables_into(cos, sin, out)
     return out
 
 
@@ -244,7 +245,7 @@ def fused_draft_layers(model, cache):
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     all_parts = {layer: parts for layer in decoder.modules() if (parts := layer_parts(layer)) is not None}
     _link_norms(decoder, all_parts)
-    carry = {}  # a norm input one fused layer hands the next, by the next one's index
+    carry = {}  # a norm input (and the rotary tables) one fused layer hands the next, by the next one's index
     patched = []
     try:
         for layer, parts in all_parts.items():

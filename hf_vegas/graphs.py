@@ -293,7 +293,9 @@ def release_graphs(model=None) -> None:
     Free the cache and CUDA graphs kept for `model`'s next `generate` call (for every model when `model` is None).
 
     Vegas keeps them so that the next call of the same shape bucket replays without capturing again; the cache of a
-    batch-64 long-context generation can be many gigabytes.
+    batch-64 long-context generation can be many gigabytes. Graphs replay the kernels as they were launched at
+    capture: after changing the kernels' launch settings (`hf_vegas_kernels._launch`, as the benchmarks' `--tuning`
+    does), release them so that the next call captures its steps again.
     """
     if model is None:
         _POOL.clear()

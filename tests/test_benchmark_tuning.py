@@ -15,8 +15,11 @@ _launch = pytest.importorskip("hf_vegas_kernels._launch")
 def test_a_set_applies_over_the_defaults_and_restore_puts_them_back():
     saved = launch_tuning.snapshot()
     try:
-        applied = launch_tuning.apply_tuning(["pdl:prefetch_weights=0", "sparse:waves=1.5"])
-        assert applied == {"pdl:prefetch_weights": 0, "sparse:waves": 1.5}
+        applied = launch_tuning.apply_tuning(["pdl:prefetch_weights=0", "sparse:waves=1.5", "gated:block_n=32",
+                                              "dense:fused_combine_max_splits=3"])  # (a key dense's default lacks)
+        assert applied == {"pdl:prefetch_weights": 0, "sparse:waves": 1.5, "gated:block_n": 32,
+                           "dense:fused_combine_max_splits": 3}
+        assert _launch.LINEAR_TUNING["gated"]["block_n"] == 32
         assert _launch.PDL["prefetch_weights"] == 0 and _launch.TUNING["sparse"]["waves"] == 1.5
     finally:
         launch_tuning.restore(saved)
@@ -29,7 +32,8 @@ def test_sets_are_checked_before_any_run_and_change_nothing():
         "pdl:early_trigger=0 pdl:prefetch_weights=0", ""]
     assert launch_tuning.snapshot() == saved
     for bad, says in (("pdl:early=0", "pdl takes KEY one of"), ("nothing:x=1", "KIND one of"),
-                      ("pdl:enabled=yes", "must be a number")):
+                      ("pdl:enabled=yes", "must be a number"), ("gated:blockn=32", "gated takes KEY one of"),
+                      ("qkv_rope:block_n=32", "qkv_rope takes KEY one of"), ("verify:wave=2", "verify takes KEY")):
         with pytest.raises(SystemExit, match=says):
-            launch_tuning.parse_sets([f"pdl:enabled=1 {bad}"])
+            launch_tuning.parse_sets([f"pdl:enabled=0 sparse:waves=3 {bad}"])  # (applied before the bad one)
         assert launch_tuning.snapshot() == saved, bad

@@ -165,6 +165,31 @@ def test_each_layer_hands_the_next_its_norm_input(monkeypatch):
     assert len(tables) == model.config.num_hidden_layers - 1  # (the last layer hands nothing on: it reads them)
 
 
+def test_a_layer_given_other_rotary_tables_than_its_predecessor_uses_its_own(monkeypatch):
+    """The tables ride with the norm input only while the next layer gets the same `position_embeddings`: a layer
+    given others (a decoder that changes them between layers) writes and reads its own."""
+    model = _random_norms(tiny_model("llama")).to(DEVICE)
+    assert model.config.num_hidden_layers >= 2
+    ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
+    fused_forward = draft_layers._draft_forward
+
+    def with_tables(shift: bool, handed: bool):
+        def forward(parts, cache, hidden_states, position_embeddings, carry):
+            if parts.layer_idx == 1:
+                if shift:
+                    position_embeddings = tuple(t.roll(1, dims=-1) for t in position_embeddings)
+                if not handed:  # (another tensor: no norm input, nor tables, is taken from layer 0)
+                    hidden_states = hidden_states.clone()
+            return fused_forward(parts, cache, hidden_states, position_embeddings, carry)
+
+        monkeypatch.setattr(draft_layers, "_draft_forward", forward)
+        return _draft_step(model, ids, mask, fused=True)
+
+    unshifted, shifted = with_tables(shift=False, handed=True), with_tables(shift=True, handed=True)
+    assert not torch.allclose(shifted, unshifted), "the shifted tables must change the step"
+    assert_fp32_close(shifted, with_tables(shift=True, handed=False))
+
+
 def test_norms_stay_launches_in_fp16_and_at_widths_no_block_divides(monkeypatch):
     """A hidden size of 72 (no block of 16) and fp16 (whose range `h * norm_weight` could exceed) keep each norm a
     launch of its own: the draft step is still the model's, and generation vanilla's."""
@@ -250,10 +275,11 @@ def test_overlapped_launches_in_graphs_change_nothing(monkeypatch, do_sample):
                   custom_generate="vegas", vegas_backend="triton", vegas_cuda_graphs=True, vegas_gamma=3,
                   vegas_sparsity=0.3, vegas_min_tokens=4, return_dict_in_generate=True)
     runs = {}
-    for options in ((1, 1, 1), (1, 0, 0), (1, 1, 0), (0, 1, 1)):
+    for options in ((1, 1, 1), (1, 0, 0), (1, 1, 0), (1, 0, 1), (0, 1, 1)):
         for option, value in zip(("enabled", "early_trigger", "prefetch_weights"), options):
             monkeypatch.setitem(_launch.PDL, option, value)
         assert _launch.pdl(torch.device(DEVICE)) == bool(options[0])
+        assert _launch.prefetch_weights(torch.device(DEVICE), 1) == bool(options[0] and options[2])
         torch.manual_seed(3)
         runs[options] = model.generate(ids, **common)
         hf_vegas.release_graphs(model)  # the next run captures its own graphs

@@ -61,6 +61,10 @@ def _linear_constexprs(**flags):
                 BLOCK_M=64, BLOCK_N=16, BLOCK_K=128, PRECISION="tf32", USE_GDC=True, K_LINES=16, **flags)
 
 
+def _residual_norm_constexprs(**flags):  # an output or down projection: one weight, the residual, the next norm
+    return dict(_linear_constexprs(**flags), GATED=False, ROW_SCALE=False, HAS_RESIDUAL=True, NORM_OUT=True)
+
+
 def _attention_constexprs(**flags):
     return dict(KV_HEADS=3, GROUPS=3, HEAD_DIM=64, V_DIM=64, BLOCK_M=16, BLOCK_N=128, BLOCK_D=64, BLOCK_DV=64,
                 SPARSE=True, HAS_SOFTCAP=False, HAS_WINDOW=False, EMIT=0, EMIT_HALF=False, NUM_SCORE_ROWS=0,
@@ -75,6 +79,7 @@ def _qkv_rope_constexprs(**flags):
 
 CASES = {
     "gated_linear": ("linear", "_grouped_linear", _linear_constexprs),
+    "linear_residual_norm": ("linear", "_grouped_linear", _residual_norm_constexprs),
     "sparse_attention": ("attention", "_attend_list", _attention_constexprs),
     "qkv_rope_write": ("qkv_rope", "_qkv_rope_write", _qkv_rope_constexprs),
 }

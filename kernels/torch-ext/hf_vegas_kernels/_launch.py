@@ -53,7 +53,8 @@ FUSED_COMBINE_MAX_SPLITS = 8
 # --sweep` (records in benchmarks/results/projections_sweep.jsonl): narrow column blocks give SmolLM2's small
 # weights enough programs (q/k/v 3.5 us and gate/up 5.5 us at 64 rows, from 5.4 and 9.3 with 64-column blocks).
 # The benchmark overrides them to sweep. Splitting K over more programs (the last of a tile's programs summing the
-# fp32 partials) was slower at every split tried (commit 18d867f, `projections.py --sweep --grid ... split_k_len=...`,
+# fp32 partials) was slower at every split tried (commit 18d867f, whose `projections.py --sweep --grid` took
+# `split_k_len=0,192,384,768`,
 # H100, 64 rows: down 3.84 us unsplit against 4.2-5.9 split, output 2.52 against 3.5-4.8, gate/up 3.39 against
 # 5.4-8.5): the merge's serial tail costs more than the narrower slices save. It was dropped.
 LINEAR_TUNING = {
@@ -76,12 +77,14 @@ LINEAR_TUNED_ROWS = 64
 SELECT_TUNING = {"num_warps": 0}
 
 # Programmatic dependent launch (Hopper and later): a kernel of a step's chain (projections, attention, norm) is
-# launched while the one before it finishes, waits for it (`griddepcontrol.wait`) before reading anything, and lets
-# the next one launch once its main loop is done, so the launch latency between the five small kernels of a draft
-# layer overlaps the previous kernel's tail. Every such kernel waits, unconditionally, before its first load, and
-# triggers only after it has waited: completion is transitive, so a kernel may read what one several launches back
-# wrote. The benchmarks switch it off (`--tuning pdl:enabled=0`) to measure it.
-# `early_trigger`: a kernel releases the next one right after its wait instead of after its main loop, and
+# launched while the one before it still runs, waits for it (`griddepcontrol.wait`) before loading anything, and lets
+# the next one launch (`_pdl.py`), so the launch latency between the five small kernels of a draft layer overlaps the
+# previous kernel. Every such kernel waits, unconditionally, before its first load, and releases the next only after
+# it has waited: completion is transitive, so a kernel may read what one several launches back wrote. The benchmarks
+# switch it off (`--tuning pdl:enabled=0`) to measure it.
+# `early_trigger`: the projections, the q/k/v + rotary kernel and the attention release the next kernel right after
+# their wait instead of after their main loop (the norm, the combine and the sampling kernels always release right
+# after it, or after their loop, as before), and
 # `prefetch_weights`: before waiting, the projections ask L2 for their weight rows (`_pdl.py` says why that is safe),
 # where a launch's weights take at most `prefetch_l2_fraction` of the L2 cache (more would evict each other before
 # use). Measured together (`throughput.py --tuning-sets`, real SmolLM2 at 64 x 7.5K, greedy, compiled, H100, one
