@@ -101,6 +101,7 @@ class _Parts:
     max_rows: int  # the largest draft forward the fused kernels pay for (`fused_projections._max_rows`)
     fold_norms: bool  # the norms ride in the projections (else: launches of their own)
     next_norm: tuple[torch.Tensor, float] | None = None  # the next fused layer's input norm (weight, eps)
+    hands_on: bool = False  # the next layer is fused too: it gets the rotary tables (and `next_norm`'s input)
 
 
 def layer_parts(layer) -> _Parts | None:
@@ -167,14 +168,14 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
     batch, tokens, hidden = hidden_states.shape
     x = hidden_states.reshape(batch * tokens, hidden)
     bias = parts.qkv_bias or (None, None, None)
-    handed = carry.pop(parts.layer_idx, None)  # the layer before wrote this layer's norm input with its output
-    if handed is not None and handed[0] is hidden_states:
-        normed, row_sumsq, rope = handed[1], handed[2], handed[3]
-    else:
-        normed = kernels.rms_norm(x, parts.norm_in, parts.eps_in).view(batch, tokens, hidden)
-        row_sumsq = rope = None
+    # The layer before handed its output with this layer's norm input (None where the norms do not fold) and the
+    # rotary tables.
+    handed = carry.pop(parts.layer_idx, None)
+    normed, row_sumsq, rope = handed[1:] if handed is not None and handed[0] is hidden_states else (None, None, None)
+    if normed is None:
+        normed, row_sumsq = kernels.rms_norm(x, parts.norm_in, parts.eps_in).view(batch, tokens, hidden), None
     if rope is None or rope[0] is not position_embeddings:  # the first layer of a chain (or new tables)
-        rope = (position_embeddings, _rope_tables(*position_embeddings) if parts.next_norm is not None
+        rope = (position_embeddings, _rope_tables(*position_embeddings) if parts.hands_on
                 else tuple(t.contiguous() for t in position_embeddings))
     cos, sin = rope[1]
     cache.begin_layer(parts.layer_idx, tokens)
@@ -198,10 +199,12 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
         gated = kernels.gated_linear_op(kernels.rms_norm(x, parts.norm_post, parts.eps_post), parts.gate, parts.up,
                                         parts.act)
     if parts.next_norm is None:  # (always, without fold_norms: `_link_norms`)
-        return kernels.linear_residual_op(gated, parts.down, x).view(batch, tokens, hidden)
-    out, scaled, row_sumsq = kernels.linear_residual_norm(gated, parts.down, x, parts.next_norm[0])
-    out = out.view(batch, tokens, hidden)
-    carry[parts.layer_idx + 1] = (out, scaled.view(batch, tokens, hidden), row_sumsq, rope)
+        out, scaled, sums = kernels.linear_residual_op(gated, parts.down, x).view(batch, tokens, hidden), None, None
+    else:
+        out, scaled, sums = kernels.linear_residual_norm(gated, parts.down, x, parts.next_norm[0])
+        out, scaled = out.view(batch, tokens, hidden), scaled.view(batch, tokens, hidden)
+    if parts.hands_on:
+        carry[parts.layer_idx + 1] = (out, scaled, sums, rope)
     return out
 
 
@@ -228,14 +231,15 @@ def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def _link_norms(decoder, parts: dict) -> None:
-    """Each fused layer of `decoder.layers` whose successor is fused too (both folding their norms) writes that
-    layer's norm input."""
+    """Each fused layer of `decoder.layers` whose successor is fused too hands it the rotary tables, and where both
+    fold their norms writes that layer's norm input."""
     layers = list(getattr(decoder, "layers", []))
     for layer, following in zip(layers, layers[1:]):
-        if layer in parts and following in parts and parts[following].layer_idx == parts[layer].layer_idx + 1 \
-                and parts[layer].fold_norms and parts[following].fold_norms:
-            parts[layer] = dataclasses.replace(parts[layer], next_norm=(parts[following].norm_in,
-                                                                       parts[following].eps_in))
+        if layer in parts and following in parts and parts[following].layer_idx == parts[layer].layer_idx + 1:
+            folding = parts[layer].fold_norms and parts[following].fold_norms
+            parts[layer] = dataclasses.replace(
+                parts[layer], hands_on=True,
+                next_norm=(parts[following].norm_in, parts[following].eps_in) if folding else None)
 
 
 @contextlib.contextmanager

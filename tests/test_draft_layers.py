@@ -2,6 +2,7 @@
 vanilla's. Their kernels' own tests: `kernels/tests/test_kernels_norm_rope.py` and `test_kernels_linear.py`."""
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -190,9 +191,32 @@ def test_a_layer_given_other_rotary_tables_than_its_predecessor_uses_its_own(mon
     assert_fp32_close(shifted, with_tables(shift=True, handed=False))
 
 
+def test_a_chain_whose_layers_fold_their_norms_or_not_hands_each_what_it_can_take(monkeypatch):
+    """A layer that folds its norms before one that does not hands it the tables but no norm input (nor the norm
+    factors of its own last norm): the step is still the model's."""
+    model = _random_norms(tiny_model("llama")).to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
+    standard = draft_layers.layer_parts
+
+    def second_keeps_its_norms(layer):
+        parts = standard(layer)
+        if parts is not None and parts.layer_idx == 1:
+            parts = dataclasses.replace(parts, fold_norms=False)
+        return parts
+
+    monkeypatch.setattr(draft_layers, "layer_parts", second_keeps_its_norms)
+    norms = []
+    original = kernels.rms_norm
+    monkeypatch.setattr(kernels, "rms_norm", lambda *args: norms.append(1) or original(*args))
+    assert_fp32_close(_draft_step(model, ids, mask, fused=True), _draft_step(model, ids, mask, fused=False))
+    # layer 0's input norm, layer 1's two, and layer 2's input norm (layer 1 writes none for it)
+    assert model.config.num_hidden_layers == 3 and len(norms) == 4
+
+
 def test_norms_stay_launches_in_fp16_and_at_widths_no_block_divides(monkeypatch):
     """A hidden size of 72 (no block of 16) and fp16 (whose range `h * norm_weight` could exceed) keep each norm a
-    launch of its own: the draft step is still the model's, and generation vanilla's."""
+    launch of its own (the rotary tables are still written once and handed on): the draft step is still the model's,
+    and generation vanilla's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -203,11 +227,13 @@ def test_norms_stay_launches_in_fp16_and_at_widths_no_block_divides(monkeypatch)
     assert not layer_parts(tiny_model("llama").half().model.layers[0]).fold_norms
     assert layer_parts(tiny_model("llama").bfloat16().model.layers[0]).fold_norms
     ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
-    norms = []
-    original = kernels.rms_norm
+    norms, tables = [], []
+    original, original_tables = kernels.rms_norm, draft_layers._rope_tables
     monkeypatch.setattr(kernels, "rms_norm", lambda *args: norms.append(1) or original(*args))
+    monkeypatch.setattr(draft_layers, "_rope_tables", lambda *args: tables.append(1) or original_tables(*args))
     assert_fp32_close(_draft_step(wide, ids, mask, fused=True), _draft_step(wide, ids, mask, fused=False))
     assert len(norms) == 2 * config.num_hidden_layers
+    assert len(tables) == 1, "the rotary tables are handed on all the same"
     common = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     vegas = wide.generate(ids, **common, custom_generate="vegas", vegas_backend="triton", vegas_cuda_graphs=False,
                           vegas_gamma=2, vegas_sparsity=0.3, vegas_min_tokens=4)
