@@ -18,7 +18,8 @@ def apply_tuning(overrides: list[str]) -> dict:
     records."""
     from hf_vegas_kernels import _launch
 
-    tables = {**_launch.TUNING, **_launch.LINEAR_TUNING, "select": _launch.SELECT_TUNING, "pdl": _launch.PDL}
+    every = _tables()
+    tables = {**every["tuning"], **every["linear"], "select": every["select"], "pdl": every["pdl"]}
     applied = {}
     for item in overrides:
         kind, _, setting = item.partition(":")

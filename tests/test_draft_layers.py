@@ -305,7 +305,8 @@ def test_overlapped_launches_in_graphs_change_nothing(monkeypatch, do_sample):
         for option, value in zip(("enabled", "early_trigger", "prefetch_weights"), options):
             monkeypatch.setitem(_launch.PDL, option, value)
         assert _launch.pdl(torch.device(DEVICE)) == bool(options[0])
-        assert _launch.prefetch_weights(torch.device(DEVICE), 1) == bool(options[0] and options[2])
+        tiny_weight = [model.model.layers[0].mlp.down_proj.weight]
+        assert _launch.prefetch_weights(torch.device(DEVICE), tiny_weight) == bool(options[0] and options[2])
         torch.manual_seed(3)
         runs[options] = model.generate(ids, **common)
         hf_vegas.release_graphs(model)  # the next run captures its own graphs

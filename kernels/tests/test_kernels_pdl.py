@@ -138,9 +138,14 @@ def test_weights_are_prefetched_only_where_they_fit_a_share_of_l2(monkeypatch):
     monkeypatch.setattr(_launch, "_l2_bytes", lambda index: 50 << 20)
     gpu = torch.device("cuda", 0)
     share = int(_launch.PDL["prefetch_l2_fraction"] * (50 << 20))
-    assert _launch.prefetch_weights(gpu, share) and not _launch.prefetch_weights(gpu, share + 1)
+
+    def weights(nbytes):  # (two weights of that many bytes together, shapes only)
+        return [torch.empty(nbytes // 2, dtype=torch.uint8, device="meta"),
+                torch.empty(nbytes - nbytes // 2, dtype=torch.uint8, device="meta")]
+
+    assert _launch.prefetch_weights(gpu, weights(share)) and not _launch.prefetch_weights(gpu, weights(share + 1))
     monkeypatch.setitem(_launch.PDL, "prefetch_weights", 0)
-    assert not _launch.prefetch_weights(gpu, 1)
+    assert not _launch.prefetch_weights(gpu, weights(1))
 
 
 if __name__ == "__main__":  # the `compiled` fixture's process

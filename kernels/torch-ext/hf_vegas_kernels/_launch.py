@@ -54,9 +54,9 @@ FUSED_COMBINE_MAX_SPLITS = 8
 # weights enough programs (q/k/v 3.5 us and gate/up 5.5 us at 64 rows, from 5.4 and 9.3 with 64-column blocks).
 # The benchmark overrides them to sweep. Splitting K over more programs (the last of a tile's programs summing the
 # fp32 partials) was slower at every split tried (commit 18d867f, whose `projections.py --sweep --grid` took
-# `split_k_len=0,192,384,768`,
-# H100, 64 rows: down 3.84 us unsplit against 4.2-5.9 split, output 2.52 against 3.5-4.8, gate/up 3.39 against
-# 5.4-8.5): the merge's serial tail costs more than the narrower slices save. It was dropped.
+# `split_k_len=0,192,384,768`; H100, 64 rows: down 3.84 us unsplit against 4.2-5.9 split, output 2.52 against
+# 3.5-4.8, gate/up 3.39 against 5.4-8.5): the merge's serial tail costs more than the narrower slices save. It was
+# dropped.
 LINEAR_TUNING = {
     "qkv": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
     "gated": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
@@ -122,10 +122,13 @@ def pdl_option(device: torch.device, option: str) -> bool:
     return bool(PDL[option]) and pdl(device)
 
 
-def prefetch_weights(device: torch.device, weight_bytes: int) -> bool:
-    """Whether a projection launch on `device` whose weights take `weight_bytes` prefetches them before its wait."""
-    return pdl_option(device, "prefetch_weights") and weight_bytes <= PDL["prefetch_l2_fraction"] * _l2_bytes(
-        device.index if device.index is not None else torch.cuda.current_device())
+def prefetch_weights(device: torch.device, weights) -> bool:
+    """Whether a projection launch on `device` prefetches its `weights` (tensors) before its wait."""
+    if not pdl_option(device, "prefetch_weights"):
+        return False
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return weight_bytes <= PDL["prefetch_l2_fraction"] * _l2_bytes(index)
 
 
 @functools.cache

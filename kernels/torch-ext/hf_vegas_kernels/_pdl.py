@@ -58,9 +58,13 @@ def prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def prefetch_rows(Base, rows, row_ok, stride, length, LINES: tl.constexpr):
+def prefetch_rows(Base, rows, row_ok, stride, length, LINES: tl.constexpr, share, shares):
     """Prefetch the first `length` elements of each row `rows` (where `row_ok`) of a matrix at `Base` with row
-    stride `stride`: one request per 128-byte line, `LINES` (`lines(length, element bytes)`) lines per row."""
+    stride `stride`: one request per 128-byte line, `LINES` (`lines(length, element bytes)`) lines per row.
+
+    `shares` programs that read the same rows (a projection's row blocks) split them: this one, `share`, asks for
+    every `shares`-th row only, so no line is requested twice."""
     per_line: tl.constexpr = 1024 // Base.dtype.element_ty.primitive_bitwidth  # elements per LINE_BYTES
     offsets = tl.arange(0, LINES) * per_line
-    prefetch_l2(Base + rows[:, None] * stride + offsets[None, :], row_ok[:, None] & (offsets < length)[None, :])
+    mine = row_ok & (rows % shares == share)
+    prefetch_l2(Base + rows[:, None] * stride + offsets[None, :], mine[:, None] & (offsets < length)[None, :])

@@ -94,9 +94,9 @@ def _grouped_linear(
     cols = out_cols - start
     n_ok = cols < size
     if PREFETCH:  # the weights are no earlier kernel's output: L2 fetches them while the kernel before still runs
-        prefetch_rows(W, cols, n_ok, stride_w, K, K_LINES)
+        prefetch_rows(W, cols, n_ok, stride_w, K, K_LINES, tl.program_id(1), tl.num_programs(1))
         if GATED:
-            prefetch_rows(W1, cols, n_ok, stride_w1, K, K_LINES)
+            prefetch_rows(W1, cols, n_ok, stride_w1, K, K_LINES, tl.program_id(1), tl.num_programs(1))
     wait_for_inputs(USE_GDC, EARLY_TRIGGER)  # the input is the previous kernel's output
     if GATED:
         gate, up = _tiles(X, W0, W1, rows, cols, m_ok, n_ok, K, stride_xm, stride_w0, stride_w1, True, BLOCK_M,
@@ -197,7 +197,7 @@ def _launch_linear(kind, x2, weights, biases, out, act=0, residual=None, row_sum
         BLOCK_M=setting["block_m"], BLOCK_N=block_n, BLOCK_K=setting["block_k"],
         PRECISION=_launch.dot_precision(x2.dtype), USE_GDC=_launch.pdl(x2.device),
         EARLY_TRIGGER=_launch.pdl_option(x2.device, "early_trigger"),
-        PREFETCH=_launch.prefetch_weights(x2.device, sum(w.numel() * w.element_size() for w in weights)),
+        PREFETCH=_launch.prefetch_weights(x2.device, weights),
         K_LINES=lines(x2.shape[1], weights[0].element_size()),
         num_warps=setting["num_warps"], num_stages=setting["num_stages"], **_launch.pdl_launch(x2.device),
     )

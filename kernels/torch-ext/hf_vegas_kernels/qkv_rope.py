@@ -48,7 +48,7 @@ def _qkv_rope_write(
     cols = h * HEAD_DIM + j  # the head's first half; the second is HALF further
     if PREFETCH:  # the weights are no earlier kernel's output: L2 fetches the head's rows while the kernel before runs
         prefetch_rows(W, h * HEAD_DIM + tl.arange(0, 2 * BLOCK_HALF), tl.arange(0, 2 * BLOCK_HALF) < HEAD_DIM,
-                      stride_w, K, K_LINES)
+                      stride_w, K, K_LINES, tl.program_id(1), tl.num_programs(1))
     wait_for_inputs(USE_GDC, EARLY_TRIGGER)  # the input is the previous kernel's output
     acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
@@ -133,7 +133,7 @@ def qkv_rope_write(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
         BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_K=setting["block_k"],
         PRECISION=_launch.dot_precision(x.dtype), USE_GDC=_launch.pdl(x.device),
         EARLY_TRIGGER=_launch.pdl_option(x.device, "early_trigger"),
-        PREFETCH=_launch.prefetch_weights(x.device, sum(w.numel() * w.element_size() for w in (wq, wk, wv))),
+        PREFETCH=_launch.prefetch_weights(x.device, (wq, wk, wv)),
         K_LINES=lines(width, wq.element_size()),
         num_warps=setting["num_warps"], num_stages=setting["num_stages"], **_launch.pdl_launch(x.device),
     )
