@@ -3,8 +3,8 @@
 One kernel serves three ops of the contract (`naive.py`):
 
 - sparse draft attention: the list is `sel_idx[b, :sel_count[b]]` followed by the tail `[sel_end[b], kv_len[b])`;
-- verification / dense decode attention: the list is `[tail_start[b], kv_len[b])` (`tail_start` is 0, or the
-  start of the sliding window), optionally emitting the Collect-2-Query logits of chosen query rows;
+- verification / dense decode attention: the list is `[tail_start[b], kv_len[b])` (`tail_start` None for 0, or
+  the start of the sliding window), optionally emitting the Collect-2-Query logits of chosen query rows;
 - both causal per query row (`slot <= q_slot[b, t]`), and windowed for sliding layers;
 - a row of length 0 reads nothing (not even its selection) and gets zeros: the generation loop gives finished rows
   length 0 here.
@@ -57,7 +57,7 @@ def _attend_list(
     EMIT: tl.constexpr, EMIT_HALF: tl.constexpr, NUM_SCORE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
     PRECISION: tl.constexpr,
     SINGLE: tl.constexpr, HAS_SINKS: tl.constexpr, FUSED_COMBINE: tl.constexpr, USE_GDC: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr, HAS_TAIL_START: tl.constexpr,
 ):
     split = tl.program_id(0)
     row_head = tl.program_id(1)
@@ -102,7 +102,10 @@ def _attend_list(
         emit_base = Emit + b * stride_eb + e_row[:, None] * stride_er + e_head[:, None] * stride_eh
 
     kv_len = tl.load(KvLen + b)
-    tail_start = tl.load(TailStart + b)
+    if HAS_TAIL_START:
+        tail_start = tl.load(TailStart + b)
+    else:
+        tail_start = kv_len * 0
     n = tl.maximum(kv_len - tail_start, 0)
     if SPARSE:
         count = tl.load(SelCount + b)
@@ -289,9 +292,10 @@ def attend(
     sel_idx=None, sel_count=None, softcap=None, window=None, score_rows=None, emit: int = EMIT_NONE, sinks=None,
     split_len: int | None = None,
 ):
-    """Attention of `q` `(B, Hq, T, D)` over each row's slot list. Returns `(out (B, T, Hq, Dv), lse (B, T, Hq),
-    emitted)`; `emitted` is `(B, R, heads, S)` logits of the `score_rows` (R of them), indexed by slot, or None, in
-    `emit_dtype(q.dtype)`.
+    """Attention of `q` `(B, Hq, T, D)` over each row's slot list (from `tail_start` `(B,)`, or from slot 0 where
+    it is None: no zero-filled tensor, whose fill would be a launch of its own in every layer). Returns
+    `(out (B, T, Hq, Dv), lse (B, T, Hq), emitted)`; `emitted` is `(B, R, heads, S)` logits of the `score_rows`
+    (R of them), indexed by slot, or None, in `emit_dtype(q.dtype)`.
     `sinks` `(Hq,)`: one logit per query head in each softmax's denominator (the log-sum-exp includes it).
 
     `list_len` is a host-side bound on the list length used to size the splits (a wrong bound is only slower).
@@ -353,7 +357,8 @@ def attend(
         sinks = sinks.to(device=device, dtype=torch.float32).contiguous()
     _attend_list[(splits, batch * kv_heads)](
         q, k_cache, v_cache, q_slot.contiguous(), kv_len, sel_idx if sparse else kv_len,
-        sel_count if sparse else kv_len, tail_start, score_rows_or_any, m_part, l_part, o_part, emitted, out, lse,
+        sel_count if sparse else kv_len, tail_start if tail_start is not None else kv_len, score_rows_or_any,
+        m_part, l_part, o_part, emitted, out, lse,
         sinks if sinks is not None else lse, _launch.tickets(batch * kv_heads, device) if fused else lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -368,7 +373,7 @@ def attend(
         EMIT=emit, EMIT_HALF=emitted.dtype == torch.float16, NUM_SCORE_ROWS=score_rows.numel() if emitting else 0,
         BLOCK_E=max(16, triton.next_power_of_2(emit_rows)), PRECISION=_launch.dot_precision(q.dtype),
         SINGLE=single, HAS_SINKS=sinks is not None, FUSED_COMBINE=fused, USE_GDC=_launch.pdl(device),
-        EARLY_TRIGGER=_launch.pdl_option(device, "early_trigger"),
+        EARLY_TRIGGER=_launch.pdl_option(device, "early_trigger"), HAS_TAIL_START=tail_start is not None,
         num_warps=tuning["num_warps"], num_stages=stages, **_launch.pdl_launch(device),
     )
     if single or fused:

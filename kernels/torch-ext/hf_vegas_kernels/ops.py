@@ -20,10 +20,11 @@ from .attention import EMIT_GROUP_SUM, EMIT_PER_HEAD, attend, emit_dtype
 Tensor = torch.Tensor
 
 
-def _dense_start(q_slot: Tensor, window: int | None) -> Tensor:
-    """First slot any of a row's queries can see: 0, or the start of the sliding window."""
+def _dense_start(q_slot: Tensor, window: int | None) -> Tensor | None:
+    """First slot any of a row's queries can see: the start of the sliding window, or None for slot 0 (the kernel
+    then reads no start at all: a zero-filled tensor would cost a launch in every layer of a dense or verify step)."""
     if window is None:
-        return torch.zeros(q_slot.shape[0], dtype=torch.long, device=q_slot.device)
+        return None
     return (q_slot.min(dim=1).values - window + 1).clamp_min(0)
 
 
