@@ -44,3 +44,17 @@ def test_kernel_race_draws_multinomials_tokens():
         torch.manual_seed(seed)
         got = sampling.choose_draft(scores, do_sample=True, kernels=True), torch.rand(4, device=DEVICE)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_kernel_greedy_draft_is_the_argmax():
+    """Greedy, `choose_draft(kernels=True)` is `torch.argmax` of the logits in their own dtype (ties: the lowest
+    index), and draws nothing from the generator."""
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(9, 3001, generator=gen) * 3).to(DEVICE, torch.bfloat16)
+    logits[4] = 1.0  # a row of ties
+    torch.manual_seed(0)
+    got = sampling.choose_draft(logits, do_sample=False, kernels=True)
+    after = torch.rand(4, device=DEVICE)
+    torch.manual_seed(0)
+    assert torch.equal(got, logits.argmax(dim=-1)) and int(got[4]) == 0
+    assert torch.equal(after, torch.rand(4, device=DEVICE))

@@ -57,6 +57,22 @@ def test_race_argmax_equals_the_reference(kind, rows, vocab, poisoned):
         assert int(got[0]) == vocab // 2 and int(got[1]) != vocab // 2
 
 
+@pytest.mark.parametrize("kind", ["plain", "filtered", "ties", "nan_rows"])
+@pytest.mark.parametrize("rows, vocab", [(1, 1), (3, 255), (5, 257), (7, 1100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_without_draws_equals_the_reference(kind, rows, vocab, dtype, poisoned):
+    """`race` None: a greedy draft's argmax of the logits in their own dtype; where no score is NaN it is exactly
+    `torch.argmax` (ties: the lowest index)."""
+    scores = _case(kind, rows, vocab, seed=rows + vocab)[0].to(dtype)
+    got = kernels.race_argmax(scores, None)
+    assert got.dtype == torch.int64 and got.shape == (rows,)
+    assert torch.equal(got, naive.race_argmax(scores, None)), got
+    if kind != "nan_rows":
+        assert torch.equal(got, scores.argmax(dim=-1))
+    else:
+        assert int(got[0]) == 0 and (rows == 1 or int(got[1]) % 2 == 1)
+
+
 def test_race_argmax_twice_in_a_row_reuses_its_tickets(poisoned):
     """The per-row tickets are zeroed by the merging program: a second launch merges again (a ticket left nonzero
     would skip the merge and leave the poisoned output)."""

@@ -271,11 +271,12 @@ def top_p_filter(scores: torch.Tensor, top_p: float, filter_value: float = float
     return scores.masked_fill(removed.scatter(1, order, removed), filter_value)
 
 
-def race_argmax(scores: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
+def race_argmax(scores: torch.Tensor, race: torch.Tensor | None) -> torch.Tensor:
     """The winner of the exponential race per row: `argmax(scores - log(race))`, which is `argmax(softmax(scores) /
-    race)` (the row's softmax denominator does not change the winner). A NaN key never wins; a row without a finite
-    key gives 0. `(B, V)` scores and positive draws, returns `(B,)` int64."""
-    key = scores.float() - race.float().log()
+    race)` (the row's softmax denominator does not change the winner); without draws (`race` None), `argmax(scores)`.
+    A NaN key never wins (unlike `torch.argmax`, where NaN does); a row without a finite key gives 0. `(B, V)` scores
+    and positive draws, returns `(B,)` int64."""
+    key = scores.float() if race is None else scores.float() - race.float().log()
     return key.masked_fill(key.isnan(), float("-inf")).argmax(dim=-1)
 
 
