@@ -25,6 +25,7 @@ from .attention import active_cache, vegas_attention
 from .config import VegasConfig, resolve_config
 from .cpu_linears import weights_left_linears
 from .draft_layers import in_draft_steps
+from .rotary_tables import rotary_tables_once
 from .ops import backend
 from .output import StepRecorder, VegasGenerateOutput
 from .loop import DecodeLoop
@@ -129,7 +130,8 @@ def generate(
         logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
     )
     with (placement.device_guard(input_ids.device), pooled as (cache, step_graphs), vegas_attention(model),
-          active_cache(cache), in_draft_steps(model, cache, fusing),
+          active_cache(cache), in_draft_steps(model, cache, fusing) as fused_layers,
+          rotary_tables_once(model, skip=lambda: fused_layers > 0 and cache.plan.mode == "draft"),
           weights_left_linears(model, enabled=cache.eager_ops)):
         cache.selection.pool_over(group)
         loop = DecodeLoop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,

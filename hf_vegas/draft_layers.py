@@ -273,12 +273,13 @@ def fused_draft_layers(model, cache):
 @contextlib.contextmanager
 def in_draft_steps(model, cache, enabled: bool):
     """The fused draft layers, and the one-launch projections of the layers they do not cover (`fused_projections`),
-    for the forwards `cache` runs in its "draft" mode; a no-op context when not `enabled`."""
+    for the forwards `cache` runs in its "draft" mode; a no-op context when not `enabled`. Yields the number of
+    layers fused."""
     if not enabled:
-        yield
+        yield 0
         return
     # A fused layer calls the sparse kernel itself: it would skip a policy that chooses in the attention function.
     layers = (contextlib.nullcontext(0) if cache.selection.policy.selects_while_drafting
               else fused_draft_layers(model, cache))
-    with layers, fused_projections(model, active=lambda: cache.plan.mode == "draft"):
-        yield
+    with layers as fused, fused_projections(model, active=lambda: cache.plan.mode == "draft"):
+        yield fused

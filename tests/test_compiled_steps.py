@@ -1,6 +1,6 @@
-"""`torch.compile` traces a whole step's forward: the cache update, the attention, the selection and (Triton backend)
-the fused draft layers, with no graph break (`fullgraph=True`), and the compiled steps give the eager steps' drafts,
-logits and selections.
+"""`torch.compile` traces a whole step's forward: the cache update, the attention, the selection, the rotary tables'
+op and (Triton backend) the fused draft layers, with no graph break (`fullgraph=True`), and the compiled steps give
+the eager steps' drafts, logits and selections.
 
 On the CPU the compiled graph runs through `aot_eager` (AOTAutograd's tracing with the ops' fake implementations,
 then the real ops: the Triton kernels in Triton's interpreter); the GPU runs inductor and CUDA graphs in
@@ -20,6 +20,7 @@ from hf_vegas.attention import active_cache, vegas_attention
 from hf_vegas.cache import VegasCache
 from hf_vegas.config import VegasConfig
 from hf_vegas.draft_layers import in_draft_steps
+from hf_vegas.rotary_tables import rotary_tables_once
 from hf_vegas.runner import StepRunner
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,7 +43,9 @@ def _iterations(model, ids, backend: str, policy: str, compiled: bool, iteration
 
         runner.call_model = call_model
     seen = []
-    with vegas_attention(model), active_cache(cache), in_draft_steps(model, cache, enabled=backend == "triton"):
+    with (vegas_attention(model), active_cache(cache),
+          in_draft_steps(model, cache, enabled=backend == "triton") as fused,
+          rotary_tables_once(model, skip=lambda: fused > 0 and cache.plan.mode == "draft")):
         pending = runner.prefill(ids)[:, -1].argmax(-1)
         for _ in range(iterations):
             committed = cache.plan.lengths.clone()
