@@ -69,7 +69,8 @@ def _attention_constexprs(**flags):
     return dict(KV_HEADS=3, GROUPS=3, HEAD_DIM=64, V_DIM=64, BLOCK_M=16, BLOCK_N=128, BLOCK_D=64, BLOCK_DV=64,
                 SPARSE=True, HAS_SOFTCAP=False, HAS_WINDOW=False, EMIT=0, EMIT_HALF=False, NUM_SCORE_ROWS=0,
                 BLOCK_E=16, PRECISION="tf32", SINGLE=True, HAS_SINKS=False, FUSED_COMBINE=False, USE_GDC=True,
-                EARLY_TRIGGER=flags["EARLY_TRIGGER"])  # (nothing to prefetch: its keys and values come after the wait)
+                EARLY_TRIGGER=flags["EARLY_TRIGGER"],
+                HAS_TAIL_START=True)  # (nothing to prefetch: its keys and values come after the wait)
 
 
 def _qkv_rope_constexprs(**flags):

@@ -15,8 +15,11 @@ def _finalize_scores(
     stride_eb, stride_er, stride_eh, stride_lb, stride_lt, stride_ob, stride_or, stride_qb,
     EMIT_HEADS: tl.constexpr, Q_HEADS: tl.constexpr, NUM_ROWS: tl.constexpr,
     WEIGHTS: tl.constexpr, MEAN_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the logits are the attention kernel's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     in_buffer = slot < num_slots
@@ -72,6 +75,7 @@ def finalize_scores(emitted, lse, score_rows, cand_end, q_heads: int, weights: b
         emitted.stride(0), emitted.stride(1), emitted.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), q_slot.stride(0),
         EMIT_HEADS=heads, Q_HEADS=q_heads, NUM_ROWS=num_rows, WEIGHTS=weights, MEAN_ROWS=mean_rows,
-        BLOCK_H=block_h, BLOCK_S=block, HAS_WINDOW=window is not None, num_warps=4,
+        BLOCK_H=block_h, BLOCK_S=block, HAS_WINDOW=window is not None, USE_GDC=_launch.pdl(emitted.device),
+        num_warps=4, **_launch.pdl_launch(emitted.device),
     )
     return out

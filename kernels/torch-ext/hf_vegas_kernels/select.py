@@ -94,8 +94,11 @@ def _select_topk(
 def _select_topk_row(
     Scores, Count, CandEnd, Out, Layers, batch,
     stride_sl, stride_sb, stride_ol, stride_ob, stride_cl,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the scores are the previous kernel's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     program = tl.program_id(0)
     layer = tl.load(Layers + program // batch)
     b = (program % batch).to(tl.int64)
@@ -147,7 +150,8 @@ def select_topk(scores, count, cand_end, out, layers=None):
     if scores.shape[-1] <= ROW_IN_REGISTERS:
         block = triton.next_power_of_2(scores.shape[-1])
         warps = _launch.SELECT_TUNING["num_warps"] or (16 if block > 8192 else 4)
-        _select_topk_row[grid](*args, BLOCK_S=block, num_warps=warps)
+        _select_topk_row[grid](*args, BLOCK_S=block, USE_GDC=_launch.pdl(scores.device), num_warps=warps,
+                               **_launch.pdl_launch(scores.device))
     else:
         _select_topk[grid](*args, BLOCK_S=1024, THRESHOLDS=_THRESHOLDS, num_warps=8)
     return out
