@@ -131,7 +131,8 @@ def generate(
     )
     with (placement.device_guard(input_ids.device), pooled as (cache, step_graphs), vegas_attention(model),
           active_cache(cache), in_draft_steps(model, cache, fusing) as fused_layers,
-          rotary_tables_once(model, skip=lambda: fused_layers > 0 and cache.plan.mode == "draft"),
+          rotary_tables_once(model, enabled=config.compile,
+                             skip=lambda: fused_layers > 0 and cache.plan.mode == "draft"),
           weights_left_linears(model, enabled=cache.eager_ops)):
         cache.selection.pool_over(group)
         loop = DecodeLoop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,

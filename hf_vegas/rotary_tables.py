@@ -8,15 +8,20 @@ its 60 rotations took 4.65 us each, against 1.4-1.8 us for the one-token rotatio
 op, which inductor cannot look into, the tables are one buffer per forward that every rotation reads.
 
 The values are the same: the buffer holds the very `cos` and `sin` the module returned (the same fp32 angles, rounded
-to the model's dtype as before), so no rotation changes by a bit. Eager forwards are left alone (there the module's
-outputs already are such tensors), and so are the draft steps of fused layers, which write their tables themselves
-(`draft_layers`). The modules are changed by an instance-level `forward` attribute, removed when the block exits,
+to the model's dtype as before). That no rotation changes by a bit holds because the steps compile with
+`graphs.INDUCTOR_OPTIONS` (`emulate_precision_casts`): inductor then rounds the inlined tables to the model's dtype as
+eager does; without it the inlined tables stay fp32 and the rotations round otherwise (`tests/test_rotary_tables.py`
+compares with inductor where a C++ compiler is found). Eager forwards are left alone (there the module's outputs
+already are such tensors), and so are the draft steps of fused layers, which write their tables themselves
+(`draft_layers`). A module is changed by an instance-level `forward` attribute that calls the one it had (the
+class's, or an instance attribute of its own, such as accelerate's hooks), which is put back when the block exits,
 also on an exception.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -37,17 +42,22 @@ def _rotary_modules(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
 
 
+_NONE = object()
+
+
 @contextlib.contextmanager
-def rotary_tables_once(model, skip=lambda: False):
+def rotary_tables_once(model, enabled: bool = True, skip=lambda: False):
     """Inside the block, every compiled forward of `model` hands its layers rotary tables written by one op (see the
-    module docstring), except while `skip()` says so. Yields the number of rotary modules changed."""
+    module docstring), except while `skip()` says so; a no-op block when not `enabled` (a generation that does not
+    compile). Yields the number of rotary modules changed."""
     patched = []
     try:
-        for module in _rotary_modules(model):
-            standard = type(module).forward
+        for module in _rotary_modules(model) if enabled else []:
+            own = vars(module).get("forward", _NONE)  # e.g. accelerate's hook: kept, called, and put back
+            standard = own if own is not _NONE else functools.partial(type(module).forward, module)
 
-            def forward(*args, _module=module, _standard=standard, **kwargs):
-                out = _standard(_module, *args, **kwargs)
+            def forward(*args, _standard=standard, **kwargs):
+                out = _standard(*args, **kwargs)
                 if not torch.compiler.is_compiling() or skip():
                     return out
                 if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
@@ -57,8 +67,11 @@ def rotary_tables_once(model, skip=lambda: False):
                 return tables[0], tables[1]
 
             module.forward = forward
-            patched.append(module)
+            patched.append((module, own))
         yield len(patched)
     finally:
-        for module in patched:
-            del module.forward  # the class's forward again
+        for module, own in patched:
+            if own is _NONE:
+                del module.forward  # the class's forward again
+            else:
+                module.forward = own
