@@ -46,9 +46,12 @@ def test_kernel_race_draws_multinomials_tokens():
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-def test_kernel_greedy_draft_is_the_argmax():
-    """Greedy, `choose_draft(kernels=True)` is `torch.argmax` of the logits in their own dtype (ties: the lowest
-    index), and draws nothing from the generator."""
+def test_kernel_greedy_draft_is_the_argmax(monkeypatch):
+    """Greedy, `choose_draft(kernels=True)` is `race_argmax` without draws, which is `torch.argmax` of the logits in
+    their own dtype (ties: the lowest index), and draws nothing from the generator."""
+    calls = []
+    original = kernels.race_argmax
+    monkeypatch.setattr(kernels, "race_argmax", lambda scores, race: calls.append(race) or original(scores, race))
     gen = torch.Generator().manual_seed(2)
     logits = (torch.randn(9, 3001, generator=gen) * 3).to(DEVICE, torch.bfloat16)
     logits[4] = 1.0  # a row of ties
@@ -58,3 +61,4 @@ def test_kernel_greedy_draft_is_the_argmax():
     torch.manual_seed(0)
     assert torch.equal(got, logits.argmax(dim=-1)) and int(got[4]) == 0
     assert torch.equal(after, torch.rand(4, device=DEVICE))
+    assert calls == [None]

@@ -279,6 +279,9 @@ def test_one_split_writes_what_the_combine_would(monkeypatch, combine_launches, 
         for kind in ("sparse", "sparse_wide_head"):
             monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], **setting})
 
+    with pytest.raises(ValueError, match="a sparse list needs tail_start"):  # (None reads from slot 0: dense only)
+        attend(case.q, k, v, case.q_slot, case.kv_len, case.scaling, tail_start=None, list_len=8,
+               sel_idx=case.sel_idx, sel_count=case.sel_count)
     tune(waves=8, block_n=16, fused_combine=False)
     assert _num_splits(case.sel_idx.shape[1], 3 * kv_heads, 16, 8, torch.device(DEVICE))[0] > 1
     split_out, split_lse, _ = run()

@@ -3,9 +3,10 @@
 The CPU interpreter never runs them: it takes no launch option, and inline PTX (the L2 prefetches) means nothing to
 it. So here they are compiled ahead of time for compute capability 9.0 with Triton's own `ptxas`, and the PTX is read
 for what the launch protocol promises: the projections' weight prefetches before the wait, no load from memory before
-it, and the next kernel released right after the wait (early) or after the main loop (late). The GPU tests run the
-same variants against the naive ops (`tests/test_draft_layers.py`, and every kernel test on a GPU, where they are
-the default).
+it, and the next kernel released right after the wait (early) or after the main loop (late); the kernels without
+that option (the score finalisation, the top-k selection) load nothing before their wait and release right after it.
+The GPU tests run the same variants against the naive ops (`tests/test_draft_layers.py`, and every kernel test on a
+GPU, where they are the default).
 """
 
 import json
@@ -19,8 +20,9 @@ import pytest
 pytest.importorskip("triton")
 
 # Pointer arguments that hold indices, and those that hold fp32 states; other pointers hold bf16 tensors.
-INDEX_POINTERS = {"QSlot", "KvLen", "SelIdx", "SelCount", "TailStart", "ScoreRows", "Tickets", "Slots"}
-FP32_POINTERS = {"MPart", "LPart", "OPart", "Lse", "Sinks", "SumSqIn", "SumSqOut", "SumSq", "Cos", "Sin"}
+INDEX_POINTERS = {"QSlot", "KvLen", "SelIdx", "SelCount", "TailStart", "ScoreRows", "Tickets", "Slots", "CandStart",
+                  "CandEnd", "Count", "Layers"}
+FP32_POINTERS = {"MPart", "LPart", "OPart", "Lse", "Sinks", "SumSqIn", "SumSqOut", "SumSq", "Cos", "Sin", "Scores"}
 INTEGERS = {"M", "K", "T", "N0", "N1", "N2"}  # (but the attention's K is its keys)
 FLOATS = {"eps", "scaling", "softcap"}
 
@@ -65,12 +67,16 @@ def _residual_norm_constexprs(**flags):  # an output or down projection: one wei
     return dict(_linear_constexprs(**flags), GATED=False, ROW_SCALE=False, HAS_RESIDUAL=True, NORM_OUT=True)
 
 
-def _attention_constexprs(**flags):
+def _attention_constexprs(**flags):  # (nothing to prefetch: its keys and values come after the wait)
     return dict(KV_HEADS=3, GROUPS=3, HEAD_DIM=64, V_DIM=64, BLOCK_M=16, BLOCK_N=128, BLOCK_D=64, BLOCK_DV=64,
                 SPARSE=True, HAS_SOFTCAP=False, HAS_WINDOW=False, EMIT=0, EMIT_HALF=False, NUM_SCORE_ROWS=0,
                 BLOCK_E=16, PRECISION="tf32", SINGLE=True, HAS_SINKS=False, FUSED_COMBINE=False, USE_GDC=True,
-                EARLY_TRIGGER=flags["EARLY_TRIGGER"],
-                HAS_TAIL_START=True)  # (nothing to prefetch: its keys and values come after the wait)
+                EARLY_TRIGGER=flags["EARLY_TRIGGER"], HAS_TAIL_START=True)
+
+
+def _verify_attention_constexprs(**flags):  # a verification: 7 tokens, per-head scores, from slot 0, merged splits
+    return dict(_attention_constexprs(**flags), BLOCK_M=32, BLOCK_N=64, SPARSE=False, EMIT=2, EMIT_HALF=True,
+                NUM_SCORE_ROWS=2, SINGLE=False, FUSED_COMBINE=True, HAS_TAIL_START=False)
 
 
 def _qkv_rope_constexprs(**flags):
@@ -82,10 +88,20 @@ CASES = {
     "gated_linear": ("linear", "_grouped_linear", _linear_constexprs),
     "linear_residual_norm": ("linear", "_grouped_linear", _residual_norm_constexprs),
     "sparse_attention": ("attention", "_attend_list", _attention_constexprs),
+    "verify_attention": ("attention", "_attend_list", _verify_attention_constexprs),
     "qkv_rope_write": ("qkv_rope", "_qkv_rope_write", _qkv_rope_constexprs),
 }
 VARIANTS = {"early, prefetching": dict(EARLY_TRIGGER=True, PREFETCH=True),
             "late, no prefetch": dict(EARLY_TRIGGER=False, PREFETCH=False)}
+NOTHING_TO_PREFETCH = {"sparse_attention", "verify_attention"}
+# Kernels that always release the next one right after their wait (no option): the verification's score
+# finalisation and the top-k selection after it.
+WAIT_FIRST = {
+    "finalize_scores": ("scores", "_finalize_scores",
+                        dict(EMIT_HEADS=9, Q_HEADS=9, NUM_ROWS=2, WEIGHTS=True, MEAN_ROWS=True, BLOCK_H=16,
+                             BLOCK_S=512, HAS_WINDOW=False, USE_GDC=True)),
+    "select_topk_row": ("select", "_select_topk_row", dict(BLOCK_S=8192, USE_GDC=True)),
+}
 
 
 def _compile_all() -> dict:
@@ -95,6 +111,8 @@ def _compile_all() -> dict:
     for case, (module, name, constexprs) in CASES.items():
         kernel = getattr(importlib.import_module(f"hf_vegas_kernels.{module}"), name)
         ptx[case] = {variant: _ptx(kernel, constexprs(**flags)) for variant, flags in VARIANTS.items()}
+    for case, (module, name, constexprs) in WAIT_FIRST.items():
+        ptx[case] = _ptx(getattr(importlib.import_module(f"hf_vegas_kernels.{module}"), name), constexprs)
     return ptx
 
 
@@ -115,7 +133,7 @@ def test_prefetches_come_before_the_wait_and_the_early_release_right_after_it(co
     ptx = compiled[case]["early, prefetching"]
     wait, release = _first(ptx, r"griddepcontrol\.wait"), _first(ptx, r"griddepcontrol\.launch_dependents")
     assert wait < release < _first(ptx, r"\bmma")
-    if case != "sparse_attention":
+    if case not in NOTHING_TO_PREFETCH:
         assert _first(ptx, r"prefetch\.global\.L2") < wait
     loads = [line for line in ptx.splitlines()[:wait] if re.search(r"\bld\.global|\bcp\.async", line)]
     assert not loads, f"loads from memory before the wait: {loads}"
@@ -128,6 +146,16 @@ def test_without_the_options_nothing_is_prefetched_and_the_release_follows_the_m
     lines = ptx.splitlines()
     last_mma = max(i for i, line in enumerate(lines) if re.search(r"\bmma", line))
     assert _first(ptx, r"griddepcontrol\.wait") < last_mma < _first(ptx, r"griddepcontrol\.launch_dependents")
+
+
+@pytest.mark.parametrize("case", sorted(WAIT_FIRST))
+def test_kernels_that_release_at_once_load_nothing_before_their_wait(compiled, case):
+    ptx = compiled[case]
+    wait, release = _first(ptx, r"griddepcontrol\.wait"), _first(ptx, r"griddepcontrol\.launch_dependents")
+    assert wait < release
+    loads = [line for line in ptx.splitlines()[:wait] if re.search(r"\bld\.global|\bcp\.async", line)]
+    assert not loads, f"loads from memory before the wait: {loads}"
+    assert "prefetch" not in ptx
 
 
 def test_weights_are_prefetched_only_where_they_fit_a_share_of_l2(monkeypatch):

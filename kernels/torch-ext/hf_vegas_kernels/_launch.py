@@ -83,8 +83,8 @@ SELECT_TUNING = {"num_warps": 0}
 # it has waited: completion is transitive, so a kernel may read what one several launches back wrote. The benchmarks
 # switch it off (`--tuning pdl:enabled=0`) to measure it.
 # `early_trigger`: the projections, the q/k/v + rotary kernel and the attention release the next kernel right after
-# their wait instead of after their main loop (the norm, the combine and the sampling kernels always release right
-# after it, or after their loop, as before), and
+# their wait instead of after their main loop (the norm, the combine, the sampling kernels, the verification's score
+# finalisation and the top-k selection always release right after it, or after their loop, as before), and
 # `prefetch_weights`: before waiting, the projections ask L2 for their weight rows (`_pdl.py` says why that is safe),
 # where a launch's weights take at most `prefetch_l2_fraction` of the L2 cache (more would evict each other before
 # use). Measured together (`throughput.py --tuning-sets`, real SmolLM2 at 64 x 7.5K, greedy, compiled, H100, one

@@ -300,6 +300,8 @@ def attend(
 
     `list_len` is a host-side bound on the list length used to size the splits (a wrong bound is only slower).
     """
+    if sel_idx is not None and tail_start is None:
+        raise ValueError("attend: a sparse list needs tail_start (each row's selection end), got None")
     if emit == EMIT_GROUP_SUM and softcap is not None:
         raise ValueError("attend: a soft cap is not linear in the query; emit per head (EMIT_PER_HEAD) instead")
     batch, q_heads, num_tokens, head_dim = q.shape

@@ -31,7 +31,8 @@ _CPU_TUNING = {"chunk": 256, "block": 64, "num_warps": 4}
 def _race_argmax(Scores, Race, Best, BestIdx, Tickets, Out, vocab, stride_s, stride_r, num_chunks,
                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, USE_GDC: tl.constexpr,
                  HAS_RACE: tl.constexpr):
-    if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the draws are the previous kernel's output
+    if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the draws (or, without, the scores) are the
+        # previous kernel's output
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
