@@ -163,8 +163,9 @@ def choose_draft(scores: torch.Tensor, do_sample: bool, kernels: bool = False) -
     one number per row, so the winner is the same up to rounding and no probability is written) instead of three
     over the `(B, V)` scores (softmax, division, argmax).
 
-    Greedy, `kernels` takes the argmax in one launch over the GPU (`race_argmax` without draws) rather than torch's
-    one block per row; its NaN never wins where `torch.argmax`'s does, which can only change what a NaN row drafts.
+    Greedy, `kernels` takes the argmax with `race_argmax` without draws (faster than `torch.argmax` over a draft
+    step's logits: see `hf_vegas_kernels.race`); its NaN never wins where `torch.argmax`'s does, which can only
+    change what a NaN row drafts.
 
     The checks it skips (no inf, nan or negative probability, no all-zero row) are four reductions and two asserts
     over the whole `(B, V)` tensor, a sixth of a draft step's sampling on an H100 (`benchmarks/profile_forward.py
