@@ -41,7 +41,6 @@ import tensor_parallel_runs
 import workloads
 from gpu_timing import read_bandwidth
 import launch_tuning
-from launch_tuning import apply_tuning
 from provenance import gpu_run
 from results_io import append_records, read_records
 from step_timer import FirstTokenClock, IterationTimes
@@ -258,7 +257,7 @@ def main() -> None:
         args.decodings = ["greedy"] if args.sweep else list(DECODINGS)
     plan = [workloads.parse_workload(w) for w in args.workloads]  # bad input fails before any GPU work
     inductor = _inductor_options(args.inductor)
-    tuning = apply_tuning(args.tuning)
+    tuning = launch_tuning.apply_tuning(args.tuning)
     tuning_sets = launch_tuning.parse_sets(args.tuning_sets) if args.tuning_sets else [None]
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be a positive integer, got {args.repeats}")
@@ -304,7 +303,7 @@ def main() -> None:
         if tuning_set != current_set and loaded[1] is not None:
             hf_vegas.release_graphs(loaded[1])  # graphs captured under other launch settings must not replay
         launch_tuning.restore(defaults)
-        set_overrides = apply_tuning(tuning_set.split()) if tuning_set is not None else None
+        set_overrides = launch_tuning.apply_tuning(tuning_set.split()) if tuning_set is not None else None
         current_set = tuning_set
         if loaded[0] != workload.model:
             loaded = (None, None, None)

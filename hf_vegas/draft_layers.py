@@ -56,6 +56,7 @@ import torch
 from .fused_projections import _gated_mlp_activation, _max_rows, _plain_linears, fused_projections
 from ._compat import internals as compat
 from .ops import backend
+from .rotary_tables import rotary_tables
 
 
 @functools.lru_cache(maxsize=256)  # asked for every layer of every generate call: read each function's file once
@@ -208,26 +209,14 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
     return out
 
 
-@torch.library.custom_op("hf_vegas::rope_tables_into", mutates_args=("out",))
-def _rope_tables_into(cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
-    """`out[0] = cos`, `out[1] = sin`."""
-    torch.stack((cos, sin), out=out)
-
-
-@_rope_tables_into.register_fake
-def _(cos, sin, out):
-    return None
-
-
 def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """A forward's rotary tables `(2, *cos.shape)`, written once for a chain of fused layers, which hand them down
     with the norm input. Compiled, inductor would give each fused layer its own copy of `cos` and `sin` (its input to
     an op), and on a GPU it computes some of those copies in launches of their own between the layers: 7 per
-    SmolLM2 draft step of 30 layers, each a break in the chain of dependent launches. Written by an op, the tables
-    are one buffer that every layer reads."""
-    out = torch.empty(2, *cos.shape, dtype=cos.dtype, device=cos.device)
-    _rope_tables_into(cos, sin, out)
-    return out
+    SmolLM2 draft step of 30 layers, each a break in the chain of dependent launches. Written by an op (the one the
+    compiled verification and dense forwards use, `rotary_tables`), the tables are one buffer that every layer
+    reads."""
+    return rotary_tables(cos, sin)
 
 
 def _link_norms(decoder, parts: dict) -> None:

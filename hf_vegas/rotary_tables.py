@@ -13,16 +13,15 @@ to the model's dtype as before). That no rotation changes by a bit holds because
 `graphs.INDUCTOR_OPTIONS` (`emulate_precision_casts`): inductor then rounds the inlined tables to the model's dtype as
 eager does; without it the inlined tables stay fp32 and the rotations round otherwise (`tests/test_rotary_tables.py`
 compares with inductor where a C++ compiler is found). Eager forwards are left alone (there the module's outputs
-already are such tensors), and so are the draft steps of fused layers, which write their tables themselves
-(`draft_layers`). A module is changed by an instance-level `forward` attribute that calls the one it had (the
-class's, or an instance attribute of its own, such as accelerate's hooks), which is put back when the block exits,
-also on an exception.
+already are such tensors), and so are the draft steps of fused layers, which write their tables with the same op
+themselves (`draft_layers`: once per chain of fused layers). A module is changed by an
+instance-level `forward` attribute that calls the one it had (the class's, or an instance attribute of its own, such
+as accelerate's hooks), which is put back when the block exits, also on an exception.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
@@ -43,9 +42,6 @@ def _rotary_modules(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
 
 
-_NONE = object()
-
-
 @contextlib.contextmanager
 def rotary_tables_once(model, enabled: bool = True, skip=lambda: False):
     """Inside the block, every compiled forward of `model` hands its layers rotary tables written by one op (see the
@@ -54,8 +50,8 @@ def rotary_tables_once(model, enabled: bool = True, skip=lambda: False):
     patched = []
     try:
         for module in _rotary_modules(model) if enabled else []:
-            own = vars(module).get("forward", _NONE)  # e.g. accelerate's hook: kept, called, and put back
-            standard = own if own is not _NONE else functools.partial(type(module).forward, module)
+            own = vars(module).get("forward")  # e.g. accelerate's hook: kept, called, and put back
+            standard = module.forward  # (that one, or the class's, bound)
 
             def forward(*args, _standard=standard, **kwargs):
                 out = _standard(*args, **kwargs)
@@ -72,7 +68,7 @@ def rotary_tables_once(model, enabled: bool = True, skip=lambda: False):
         yield len(patched)
     finally:
         for module, own in patched:
-            if own is _NONE:
+            if own is None:
                 del module.forward  # the class's forward again
             else:
                 module.forward = own

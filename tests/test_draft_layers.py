@@ -147,7 +147,7 @@ def test_each_layer_hands_the_next_its_norm_input(monkeypatch):
 
     def count_launches(gm, example_inputs):  # the compiled step's graph: its norm launches and table copies
         graphs.append(tuple(sum(node.target is op for node in gm.graph.nodes) for op in (
-            torch.ops.hf_vegas.rms_norm.default, torch.ops.hf_vegas.rope_tables_into.default)))
+            torch.ops.hf_vegas.rms_norm.default, torch.ops.hf_vegas.rotary_tables.default)))
         return gm.forward
 
     torch._dynamo.reset()

@@ -161,10 +161,7 @@ def _opcheck_cases():
                             torch.rand(2, 1, 32, device=DEVICE), torch.rand(2, 1, 32, device=DEVICE),
                             case.k.clone(), case.v.clone(), case.q_slot[:, :1].contiguous(), 4, 2, 32),
                            dict(row_sumsq=torch.rand(2, 3, device=DEVICE), eps=1e-6)),
-        # (hf_vegas' own op: a fused draft layer chain's rotary tables, `hf_vegas.draft_layers`)
-        "rope_tables_into": ((torch.rand(2, 1, 32, device=DEVICE), torch.rand(2, 1, 32, device=DEVICE),
-                              torch.empty(2, 2, 1, 32, device=DEVICE)), {}),
-        # (a compiled forward's rotary tables, `hf_vegas.rotary_tables`)
+        # (hf_vegas' own op: a compiled forward's, or a fused draft layer chain's, rotary tables)
         "rotary_tables": ((torch.rand(2, 7, 32, device=DEVICE), torch.rand(2, 7, 32, device=DEVICE)), {}),
     }
 
@@ -172,10 +169,9 @@ def _opcheck_cases():
 @pytest.mark.parametrize("name", ["sparse_draft_attention", "dense_attention", "verify_attention", "finalize_scores",
                                   "select_topk", "write_kv", "rms_norm", "linear_residual",
                                   "linear_residual_norm_into", "gated_linear", "qkv_rope_write",
-                                  "rope_tables_into", "rotary_tables"])
+                                  "rotary_tables"])
 def test_custom_ops_have_true_fakes_and_declared_mutations(name):
     """Checks the schema (mutations declared are the mutations made), the fake against the real op, and tracing."""
-    import hf_vegas.draft_layers  # noqa: F401  (registers `rope_tables_into`)
     import hf_vegas.rotary_tables  # noqa: F401  (registers `rotary_tables`)
 
     op = getattr(torch.ops.hf_vegas, name).default
