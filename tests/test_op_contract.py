@@ -165,7 +165,8 @@ def _opcheck_cases():
         "select_beside": (("hf_vegas_kernels", emitted, lse, rows, torch.zeros(2, 2, dtype=torch.long, device=DEVICE),
                            case.sel_end, case.q_slot, torch.tensor([[3, 2], [1, 4]], device=DEVICE),
                            torch.empty(2, 2, case.k.shape[1], device=DEVICE),
-                           torch.zeros(2, 2, 30, dtype=torch.long, device=DEVICE), 1, case.k.shape[1], 4, True), {}),
+                           torch.zeros(2, 2, 30, dtype=torch.long, device=DEVICE), 1,
+                           torch.tensor([1], device=DEVICE), case.k.shape[1], 4, True), {}),
         "join_selection": ((torch.zeros(2, 2, 30, dtype=torch.long, device=DEVICE),), {}),
         # (a compiled forward's, or a fused draft layer chain's, rotary tables)
         "rotary_tables": ((torch.rand(2, 7, 32, device=DEVICE), torch.rand(2, 7, 32, device=DEVICE)), {}),

@@ -1,7 +1,6 @@
-"""A verification's selection beside its forward (`hf_vegas.side_selection`): the same slots as the finalisation and
-top-k run in place, on CUDA from a side stream (also inside a captured graph), and the side stream's bookkeeping (how
-long inputs stay alive, which events the main stream waits for). The GPU tests skip on the CPU; there the op runs in
-place (the same comparison), and the bookkeeping is driven with stand-in streams and events."""
+"""A verification's top-k beside its forward (`hf_vegas.side_selection`): the same slots as the finalisation and
+top-k run in place, on CUDA with the top-k on a side stream (also inside a captured graph). The GPU tests skip on the
+CPU; there the op runs in place (the same comparison), and the fork and join are driven with stand-in streams."""
 
 from __future__ import annotations
 
@@ -43,7 +42,7 @@ def _verification(seed: int, window=None):
                                        window=window, q_slot=case.q_slot)
         naive.select_topk(scores[:, 0, :slots - 1], count[layer], case.sel_end, want[layer])
     state = dict(rows=rows, cand_start=cand_start, cand_end=case.sel_end, q_slot=case.q_slot, count=count,
-                 num_slots=slots - 1, window=window)
+                 num_slots=slots - 1, window=window, layers=torch.arange(LAYERS, device=DEVICE))
     return emitted, lse, state, want
 
 
@@ -51,7 +50,8 @@ def _select_all(ops, emitted, lse, state, scores, selected):
     for layer in range(LAYERS):
         side_selection.select_beside(ops.__name__, emitted[layer], lse[layer], state["rows"], state["cand_start"],
                                      state["cand_end"], state["q_slot"], state["count"], scores, selected, layer,
-                                     state["num_slots"], Q_HEADS, True, state["window"])
+                                     state["layers"][layer:layer + 1], state["num_slots"], Q_HEADS, True,
+                                     state["window"])
     side_selection.join(selected)
 
 
@@ -91,48 +91,36 @@ def test_the_selection_beside_is_captured_with_its_fork_and_join():
         assert torch.equal(selected, want)
 
 
-class _Event:
-    def __init__(self, log):
-        self.log, self.recorded = log, 0
-
-    def record(self, stream=None):
-        self.recorded += 1
-        self.log.append(("record", self))
-
-
 class _Stream:
     def __init__(self, name, log):
         self.name, self.log = name, log
-
-    def wait_event(self, event):
-        self.log.append((f"{self.name} waits", event))
+        self.device, self.cuda_stream = torch.device("cpu"), id(self)
 
     def wait_stream(self, other):
-        self.log.append((f"{self.name} waits for", other.name))
+        self.log.append(f"{self.name} waits for {other.name}")
 
 
-def test_inputs_stay_alive_until_the_main_stream_waited_for_their_reader(monkeypatch):
-    """CPU counterpart of the stream logic, with stand-ins: a launch keeps its inputs; from the third on, the main
-    stream first waits for the launch two before, whose inputs are then let go; an event is recorded again only after
-    the main stream waited for it; the join waits for the whole side stream and lets every input go."""
-    log = []
+def test_the_top_k_runs_on_the_side_stream_after_the_main_streams_work(monkeypatch):
+    """CPU counterpart of the stream logic, with stand-in streams: the side stream waits for everything launched on
+    the main one before the top-k launches on it, one side stream serves every launch from a main stream, and the
+    join makes the main stream wait for the side one."""
+    log, current = [], []
+    monkeypatch.setattr(side_selection, "_streams", {})
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: _Stream("side", log))
-    monkeypatch.setattr(torch.cuda, "Event", lambda: _Event(log))
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    side = side_selection._Side(torch.device("cpu"))
-    assert [e.recorded for e in side.events] == [1] * (side_selection.IN_FLIGHT + 1)  # made before any capture
+
+    @contextlib.contextmanager
+    def stream(s):
+        current.append(s.name)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
     main = _Stream("main", log)
-    ran, events = [], []
-    for layer in range(5):
-        log.clear()
-        side.launch(main, (f"inputs {layer}",), lambda layer=layer: ran.append(layer))
-        events.append(log[-1][1])
-        waits = [entry for entry in log if entry[0] == "main waits"]
-        assert waits == ([("main waits", events[layer - 2])] if layer >= 2 else []), layer
-        assert log[-2] == ("side waits for", "main")  # then the work, then its event
-        assert [keep for _, keep in side.in_flight] == [(f"inputs {i}",) for i in range(max(0, layer - 1), layer + 1)]
-    assert ran == list(range(5))
-    assert events[3] is events[0] and events[4] is events[1]  # the ring, reused after the waits
+    side_selection._join(main)  # nothing launched beside it yet: no side stream to wait for
+    for layer in range(3):
+        side_selection._beside(main, lambda layer=layer: log.append(f"top-k {layer} on {current[-1]}"))
+    assert log == [entry for layer in range(3) for entry in ("side waits for main", f"top-k {layer} on side")]
+    assert len(side_selection._streams) == 1 and not current
     log.clear()
-    side.join(main)
-    assert log == [("main waits for", "side")] and not side.in_flight
+    side_selection._join(main)
+    assert log == ["main waits for side"]
