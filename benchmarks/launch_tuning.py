@@ -1,6 +1,5 @@
-"""`--tuning KIND:KEY=VALUE` for the benchmarks: override the kernels' launch settings (`hf_vegas_kernels._launch`,
-and where a verification's selection runs: `hf_vegas.side_selection`) for one run, recorded with its results.
-Nothing but the benchmarks should change them."""
+"""`--tuning KIND:KEY=VALUE` for the benchmarks: override the kernels' launch settings (`hf_vegas_kernels._launch`)
+for one run, recorded with its results. Nothing but the benchmarks should change them."""
 
 from __future__ import annotations
 
@@ -14,14 +13,13 @@ ATTENTION_KEYS = {"block_n", "num_warps", "num_stages", "waves", "nearest", "fus
 
 def apply_tuning(overrides: list[str]) -> dict:
     """Set `KIND:KEY=VALUE` overrides into `_launch.TUNING` (KIND an attention kind), `_launch.LINEAR_TUNING` (a
-    projection kind: `gated:block_n=32`), `_launch.SELECT_TUNING` (KIND `select`), `_launch.PDL`
-    (`pdl:enabled=0`, `pdl:prefetch_weights=0`) or `hf_vegas.side_selection.SETTINGS` (`selection:side_stream=0`);
-    values are ints, or floats. Returns them as a dict, for the records."""
+    projection kind: `gated:block_n=32`), `_launch.SELECT_TUNING` (KIND `select`) or `_launch.PDL`
+    (`pdl:enabled=0`, `pdl:prefetch_weights=0`); values are ints, or floats. Returns them as a dict, for the
+    records."""
     from hf_vegas_kernels import _launch
 
     every = _tables()
-    tables = {**every["tuning"], **every["linear"], "select": every["select"], "pdl": every["pdl"],
-              "selection": every["selection"]}
+    tables = {**every["tuning"], **every["linear"], "select": every["select"], "pdl": every["pdl"]}
     applied = {}
     for item in overrides:
         kind, _, setting = item.partition(":")
@@ -41,11 +39,10 @@ def apply_tuning(overrides: list[str]) -> dict:
 
 
 def _tables() -> dict:
-    from hf_vegas import side_selection
     from hf_vegas_kernels import _launch
 
     return {"tuning": _launch.TUNING, "linear": _launch.LINEAR_TUNING, "select": _launch.SELECT_TUNING,
-            "pdl": _launch.PDL, "selection": side_selection.SETTINGS}
+            "pdl": _launch.PDL}
 
 
 def snapshot() -> dict:

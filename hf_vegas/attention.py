@@ -18,7 +18,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import placement, side_selection
+from . import placement
 from ._compat import internals as compat
 from .cache import VegasCache
 from .ops import prefill
@@ -136,10 +136,7 @@ MAX_KERNEL_QUERY_ROWS = 64
 def _select_from_emitted(cache: VegasCache, ops, layer: int, emitted, lse, q_heads: int, window=None) -> None:
     """Turn the verification's emitted logits into the next selection.
 
-    Each layer's scores are finalised at once and its top-k runs beside the forward (`side_selection`; the last
-    sparse layer joins). Under tensor parallelism with `selection_heads="all"`, whose scores are averaged over the
-    ranks first, each layer's scores wait in an `(L, B, S)` scratch instead, and at the last sparse layer all of them
-    select in one op.
+    Each layer's scores wait in an `(L, B, S)` scratch; at the last sparse layer all of them select in one op.
     """
     plan, sel = cache.state(layer)
     weights = cache.vegas_config.score == "weights"
@@ -150,15 +147,6 @@ def _select_from_emitted(cache: VegasCache, ops, layer: int, emitted, lse, q_hea
                                                     mean_rows=False, **where)
         return
     layer_scores = sel.layer_scores(emitted.shape[-1])
-    if sel.group is None:
-        position = sel.sparse_layers.index(layer)
-        side_selection.select_beside(ops.__name__, emitted, lse, sel.score_rows, sel.cand_start, sel.sel_end,
-                                     plan.query_slots, sel.sel_count, layer_scores, sel.buffer(), layer,
-                                     sel.sparse_layer_index[position:position + 1], sel.capacity, q_heads, weights,
-                                     window)
-        sel.beside_layers.append(layer)
-        _flush_scored(cache, layer)
-        return
     ops.finalize_scores(emitted, lse, sel.score_rows, sel.sel_end, q_heads, weights, mean_rows=True,
                         out=layer_scores[layer][:, None], **where)
     sel.scored_layers.append(layer)
@@ -166,16 +154,10 @@ def _select_from_emitted(cache: VegasCache, ops, layer: int, emitted, lse, q_hea
 
 
 def _flush_scored(cache: VegasCache, layer: int) -> None:
-    """At the forward's last sparse layer, wait for the top-k launched beside the forward, and select for every
-    layer whose scores wait in the scratch (with the cache's ops whatever the forward's width: a selection is one row
-    of scores per (layer, row))."""
+    """At the forward's last sparse layer, select for every layer whose scores wait in the scratch (with the cache's
+    ops whatever the forward's width: a selection is one row of scores per (layer, row))."""
     sel = cache.state(layer)[1]
-    if layer != sel.sparse_layers[-1]:
-        return
-    if sel.beside_layers:
-        side_selection.join(sel.buffer())
-        sel.beside_layers = []
-    if not sel.scored_layers:
+    if layer != sel.sparse_layers[-1] or not sel.scored_layers:
         return
     if sel.scored_layers == sel.sparse_layers:  # the usual case, with a prebuilt index (no copy, graph-safe)
         layers = sel.sparse_layer_index

@@ -66,8 +66,6 @@ class SelectionState:
         self.sparse_layer_index = torch.tensor(self.sparse_layers, **long)
         # Sparse layers whose scores wait in `layer_scores`: all select together at the forward's last sparse layer.
         self.scored_layers: list[int] = []
-        # Sparse layers whose selection runs beside the forward (`side_selection`): joined at its last sparse layer.
-        self.beside_layers: list[int] = []
         # Layers that already chose their selection in this forward (a layer may attend twice: DiffLlama).
         self.selected_layers: set[int] = set()
         # Whether the current forward chooses the next draft's slots (`prepare`).
@@ -85,7 +83,6 @@ class SelectionState:
         Verification rates the prefix plus the pending token's slot (the slots every verify row sees); prefill rates
         the whole prompt, from its last row."""
         self.scored_layers = []
-        self.beside_layers = []
         self.selected_layers = set()
         self.score_rows = None
         self.choosing = self.selecting(plan.mode) and plan.selects
@@ -110,7 +107,6 @@ class SelectionState:
         on another device, refreshed at the first of them a forward reaches)."""
         self.gamma = main.gamma
         self.scored_layers = []
-        self.beside_layers = []
         self.selected_layers = set()
         self.choosing = main.choosing
         rows = main.score_rows  # one tensor per forward shape, kept by `main`: copied once per shape
@@ -178,7 +174,6 @@ class SelectionState:
         self.rejection.zero_()
         self.row_scores.clear()
         self.scored_layers = []
-        self.beside_layers = []
 
 
 def budget_tensor(candidates: torch.Tensor, config: VegasConfig, rejection: torch.Tensor | None = None

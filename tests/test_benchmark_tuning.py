@@ -10,24 +10,20 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
 import launch_tuning  # noqa: E402
 
 _launch = pytest.importorskip("hf_vegas_kernels._launch")
-from hf_vegas import side_selection  # noqa: E402
 
 
 def test_a_set_applies_over_the_defaults_and_restore_puts_them_back():
     saved = launch_tuning.snapshot()
     try:
         applied = launch_tuning.apply_tuning(["pdl:prefetch_weights=0", "sparse:waves=1.5", "gated:block_n=32",
-                                              "dense:fused_combine_max_splits=3",  # (a key dense's default lacks)
-                                              "selection:side_stream=0"])
+                                              "dense:fused_combine_max_splits=3"])  # (a key dense's default lacks)
         assert applied == {"pdl:prefetch_weights": 0, "sparse:waves": 1.5, "gated:block_n": 32,
-                           "dense:fused_combine_max_splits": 3, "selection:side_stream": 0}
+                           "dense:fused_combine_max_splits": 3}
         assert _launch.LINEAR_TUNING["gated"]["block_n"] == 32
         assert _launch.PDL["prefetch_weights"] == 0 and _launch.TUNING["sparse"]["waves"] == 1.5
-        assert side_selection.SETTINGS["side_stream"] == 0
     finally:
         launch_tuning.restore(saved)
     assert launch_tuning.snapshot() == saved and _launch.PDL["prefetch_weights"] == saved["pdl"]["prefetch_weights"]
-    assert side_selection.SETTINGS["side_stream"] == 1
 
 
 def test_sets_are_checked_before_any_run_and_change_nothing():

@@ -161,14 +161,7 @@ def _opcheck_cases():
                             torch.rand(2, 1, 32, device=DEVICE), torch.rand(2, 1, 32, device=DEVICE),
                             case.k.clone(), case.v.clone(), case.q_slot[:, :1].contiguous(), 4, 2, 32),
                            dict(row_sumsq=torch.rand(2, 3, device=DEVICE), eps=1e-6)),
-        # (hf_vegas' own ops: a verification's selection beside its forward, and the join after it)
-        "select_beside": (("hf_vegas_kernels", emitted, lse, rows, torch.zeros(2, 2, dtype=torch.long, device=DEVICE),
-                           case.sel_end, case.q_slot, torch.tensor([[3, 2], [1, 4]], device=DEVICE),
-                           torch.empty(2, 2, case.k.shape[1], device=DEVICE),
-                           torch.zeros(2, 2, 30, dtype=torch.long, device=DEVICE), 1,
-                           torch.tensor([1], device=DEVICE), case.k.shape[1], 4, True), {}),
-        "join_selection": ((torch.zeros(2, 2, 30, dtype=torch.long, device=DEVICE),), {}),
-        # (a compiled forward's, or a fused draft layer chain's, rotary tables)
+        # (hf_vegas' own op: a compiled forward's, or a fused draft layer chain's, rotary tables)
         "rotary_tables": ((torch.rand(2, 7, 32, device=DEVICE), torch.rand(2, 7, 32, device=DEVICE)), {}),
     }
 
@@ -176,11 +169,10 @@ def _opcheck_cases():
 @pytest.mark.parametrize("name", ["sparse_draft_attention", "dense_attention", "verify_attention", "finalize_scores",
                                   "select_topk", "write_kv", "rms_norm", "linear_residual",
                                   "linear_residual_norm_into", "gated_linear", "qkv_rope_write",
-                                  "rotary_tables", "select_beside", "join_selection"])
+                                  "rotary_tables"])
 def test_custom_ops_have_true_fakes_and_declared_mutations(name):
     """Checks the schema (mutations declared are the mutations made), the fake against the real op, and tracing."""
     import hf_vegas.rotary_tables  # noqa: F401  (registers `rotary_tables`)
-    import hf_vegas.side_selection  # noqa: F401  (registers `select_beside` and `join_selection`)
 
     op = getattr(torch.ops.hf_vegas, name).default
     args, kwargs = _opcheck_cases()[name]
