@@ -1,0 +1,118 @@
+"""The all-reduces of a tensor-parallel step, NCCL against symmetric memory, as CUDA graphs replay them (issue 12):
+
+    torchrun --nproc_per_node 2 benchmarks/all_reduce.py --rows 16 64 112 --hidden 4096 --count 73
+
+A Qwen3-8B-shaped forward under TP = 2 all-reduces `(rows, 4096)` bf16 activations 73 times (two row-parallel
+projections per layer x 36, and the embedding): 16 rows in a batch-16 draft step, 112 in its verification. Small
+messages cost NCCL its latency, not bytes. A one-shot all-reduce through symmetric memory
+(`torch.ops.symm_mem.one_shot_all_reduce_copy_out`: each rank copies its partial into a buffer every rank maps, a
+device-side barrier, then each rank sums every rank's buffer) needs no NVLink multicast, and is captured in a CUDA
+graph once its buffer was allocated and rendezvoused eagerly (torch issues #184527, #197857).
+
+For each row count, on every rank: one eager all-reduce of each kind against NCCL's (the symmetric one writing over
+its own input, as an in-place all-reduce must), then `--count` chained all-reduces captured in a graph per kind; the
+two chains' results are compared (the buffer is reused by each all-reduce of the chain), and each graph is replayed
+`--replays` times to time one all-reduce. `--compile` also traces the symmetric chain with `torch.compile` before
+capturing it. Rank 0 prints a line and appends a record to `--out` per row count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import provenance
+import results_io
+import torch
+import torch.distributed as dist
+
+
+def _replay_time(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Seconds per replay, every rank replaying in step (a one-shot all-reduce waits for its peers)."""
+    graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / replays
+
+
+def _capture(chain, *args) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    chain(*args)  # warm (a compiled chain compiles here), eagerly, as a step runs before its capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        chain(*args)
+    return graph
+
+
+def measure(rows: int, hidden: int, count: int, replays: int, compile_chain: bool, group_name: str) -> dict:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    gen = torch.Generator(device="cuda").manual_seed(dist.get_rank())
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    buffer = symm_mem.empty(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    symm_mem.rendezvous(buffer, group=group_name)
+
+    def nccl_chain(y):
+        for _ in range(count):
+            dist.all_reduce(y)
+
+    def symmetric_chain(y):
+        for _ in range(count):
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer, y, "sum", group_name, y)
+
+    want, got = x.clone(), x.clone()
+    dist.all_reduce(want)
+    torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer, got, "sum", group_name, got)  # over its own input
+    eager_equal = torch.equal(got, want)
+    chain = torch.compile(symmetric_chain, fullgraph=True) if compile_chain else symmetric_chain
+    nccl_y, symm_y = x.clone(), x.clone()
+    nccl, symm = _capture(nccl_chain, nccl_y), _capture(chain, symm_y)
+    nccl_y.copy_(x)
+    symm_y.copy_(x)
+    nccl.replay()
+    symm.replay()
+    torch.cuda.synchronize()
+    chain_equal = torch.equal(nccl_y, symm_y)
+    t_nccl, t_symm = _replay_time(nccl, replays), _replay_time(symm, replays)
+    return dict(rows=rows, hidden=hidden, dtype="bfloat16", count=count, compiled=compile_chain,
+                nccl_us=t_nccl / count * 1e6, symmetric_us=t_symm / count * 1e6, eager_equal=eager_equal,
+                chain_equal=chain_equal)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", type=int, default=[16, 64, 112])
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--count", type=int, default=73, help="all-reduces per captured graph")
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the symmetric chain before capture")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/all_reduce.jsonl"))
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    if "LOCAL_RANK" not in os.environ:
+        raise SystemExit("run under torchrun: torchrun --nproc_per_node 2 benchmarks/all_reduce.py ...")
+    if any(r < 1 for r in args.rows) or args.hidden < 1 or args.count < 1 or args.replays < 1:
+        raise SystemExit("--rows, --hidden, --count and --replays must be positive integers")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    group_name = dist.group.WORLD.group_name
+    if dist.get_rank() == 0:
+        print(f"{'rows':>5} {'NCCL us':>8} {'one-shot us':>12} {'eager equal':>12} {'chain equal':>12}", flush=True)
+    for rows in args.rows:  # each row count's record is written as soon as it is measured
+        record = measure(rows, args.hidden, args.count, args.replays, args.compile, group_name)
+        if dist.get_rank() == 0:
+            results_io.append_records(args.out, [dict(provenance.gpu_run(args.commit),
+                                                      world_size=dist.get_world_size(), **record)])
+            print(f"{rows:5d} {record['nccl_us']:8.2f} {record['symmetric_us']:12.2f} "
+                  f"{str(record['eager_equal']):>12} {str(record['chain_equal']):>12}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
