@@ -13,7 +13,8 @@ For each row count, on every rank: one eager all-reduce of each kind against NCC
 its own input, as an in-place all-reduce must), then `--count` chained all-reduces captured in a graph per kind; the
 two chains' results are compared (the buffer is reused by each all-reduce of the chain), and each graph is replayed
 `--replays` times to time one all-reduce. `--compile` also traces the symmetric chain with `torch.compile` before
-capturing it. Rank 0 prints a line and appends a record to `--out` per row count.
+capturing it (through an op of our own with a fake: torch 2.11 has none for the symmetric op, so dynamo refused it).
+Rank 0 prints a line and appends a record to `--out` per row count.
 """
 
 from __future__ import annotations
@@ -27,6 +28,18 @@ import provenance
 import results_io
 import torch
 import torch.distributed as dist
+
+
+@torch.library.custom_op("hf_vegas_benchmarks::one_shot_all_reduce_", mutates_args=("x",))
+def one_shot_all_reduce_(x: torch.Tensor, buffer: torch.Tensor, group_name: str) -> None:
+    """`x` summed over the group in place through the symmetric `buffer`. An op of our own because torch (2.11) has
+    no fake for `one_shot_all_reduce_copy_out`, so `torch.compile` cannot trace that one (`--compile`)."""
+    torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer, x, "sum", group_name, x)
+
+
+@one_shot_all_reduce_.register_fake
+def _(x, buffer, group_name):
+    return None
 
 
 def _replay_time(graph: torch.cuda.CUDAGraph, replays: int) -> float:
@@ -64,11 +77,11 @@ def measure(rows: int, hidden: int, count: int, replays: int, compile_chain: boo
 
     def symmetric_chain(y):
         for _ in range(count):
-            torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer, y, "sum", group_name, y)
+            one_shot_all_reduce_(y, buffer, group_name)
 
     want, got = x.clone(), x.clone()
     dist.all_reduce(want)
-    torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer, got, "sum", group_name, got)  # over its own input
+    one_shot_all_reduce_(got, buffer, group_name)  # written over its own input
     eager_equal = torch.equal(got, want)
     chain = torch.compile(symmetric_chain, fullgraph=True) if compile_chain else symmetric_chain
     nccl_y, symm_y = x.clone(), x.clone()
