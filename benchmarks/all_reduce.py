@@ -11,8 +11,9 @@ graph once its buffer was allocated and rendezvoused eagerly (torch issues #1845
 
 For each row count, on every rank: one eager all-reduce of each kind against NCCL's (the symmetric one writing over
 its own input, as an in-place all-reduce must), then `--count` chained all-reduces captured in a graph per kind; the
-two chains' results are compared (the buffer is reused by each all-reduce of the chain), and each graph is replayed
-`--replays` times to time one all-reduce. `--compile` also traces the symmetric chain with `torch.compile` before
+two chains' results are compared on every rank (the buffer is reused by each all-reduce of the chain), and each graph
+is replayed `--replays` times to time one all-reduce on the GPU's clock (twice per kind, in both orders; the faster
+pass counts). `--compile` also traces the symmetric chain with `torch.compile` before
 capturing it (through an op of our own with a fake: torch 2.11 has none for the symmetric op, so dynamo refused it).
 Rank 0 prints a line and appends a record to `--out` per row count.
 """
@@ -21,19 +22,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from pathlib import Path
 
 import provenance
 import results_io
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
 
 
-@torch.library.custom_op("hf_vegas_benchmarks::one_shot_all_reduce_", mutates_args=("x",))
+# Chained all-reduces of two ranks double the values each time; bf16's range (as fp32's) holds 2**127.
+MAX_COUNT = 100
+
+
+@torch.library.custom_op("hf_vegas_benchmarks::one_shot_all_reduce_", mutates_args=("x", "buffer"))
 def one_shot_all_reduce_(x: torch.Tensor, buffer: torch.Tensor, group_name: str) -> None:
-    """`x` summed over the group in place through the symmetric `buffer`. An op of our own because torch (2.11) has
-    no fake for `one_shot_all_reduce_copy_out`, so `torch.compile` cannot trace that one (`--compile`)."""
+    """`x` summed over the group in place through the symmetric `buffer` (which it overwrites with `x` first). An op
+    of our own because torch (2.11) has no fake for `one_shot_all_reduce_copy_out`, so `torch.compile` cannot trace
+    that one (`--compile`)."""
     torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer, x, "sum", group_name, x)
 
 
@@ -43,15 +49,19 @@ def _(x, buffer, group_name):
 
 
 def _replay_time(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """Seconds per replay, every rank replaying in step (a one-shot all-reduce waits for its peers)."""
+    """Seconds per replay on the GPU's clock (CUDA events), every rank replaying in step (a one-shot all-reduce
+    waits for its peers). The replays go on doubling the chain's values into infinities: timing does not read
+    them."""
     graph.replay()
     torch.cuda.synchronize()
     dist.barrier()
-    start = time.perf_counter()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     for _ in range(replays):
         graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / replays
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / replays
 
 
 def _capture(chain, *args) -> torch.cuda.CUDAGraph:
@@ -63,9 +73,14 @@ def _capture(chain, *args) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def measure(rows: int, hidden: int, count: int, replays: int, compile_chain: bool, group_name: str) -> dict:
-    import torch.distributed._symmetric_memory as symm_mem
+def _on_every_rank(flag: bool) -> bool:
+    """Whether `flag` holds on every rank (a wrong read shows on one rank's result only)."""
+    agreed = torch.tensor([int(flag)], device="cuda")
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return bool(agreed.item())
 
+
+def measure(rows: int, hidden: int, count: int, replays: int, compile_chain: bool, group_name: str) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(dist.get_rank())
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     buffer = symm_mem.empty(rows, hidden, device="cuda", dtype=torch.bfloat16)
@@ -82,7 +97,8 @@ def measure(rows: int, hidden: int, count: int, replays: int, compile_chain: boo
     want, got = x.clone(), x.clone()
     dist.all_reduce(want)
     one_shot_all_reduce_(got, buffer, group_name)  # written over its own input
-    eager_equal = torch.equal(got, want)
+    eager_equal = _on_every_rank(torch.equal(got, want))
+    # (One compilation per row count: the chain closes over its buffer; hence at most 8 row counts with --compile.)
     chain = torch.compile(symmetric_chain, fullgraph=True) if compile_chain else symmetric_chain
     nccl_y, symm_y = x.clone(), x.clone()
     nccl, symm = _capture(nccl_chain, nccl_y), _capture(chain, symm_y)
@@ -91,8 +107,10 @@ def measure(rows: int, hidden: int, count: int, replays: int, compile_chain: boo
     nccl.replay()
     symm.replay()
     torch.cuda.synchronize()
-    chain_equal = torch.equal(nccl_y, symm_y)
+    chain_equal = _on_every_rank(torch.equal(nccl_y, symm_y))  # each all-reduce doubles the sum: a stale read shows
+    # Each kind timed twice, in both orders; the faster of its two passes counts.
     t_nccl, t_symm = _replay_time(nccl, replays), _replay_time(symm, replays)
+    t_symm, t_nccl = min(t_symm, _replay_time(symm, replays)), min(t_nccl, _replay_time(nccl, replays))
     return dict(rows=rows, hidden=hidden, dtype="bfloat16", count=count, compiled=compile_chain,
                 nccl_us=t_nccl / count * 1e6, symmetric_us=t_symm / count * 1e6, eager_equal=eager_equal,
                 chain_equal=chain_equal)
@@ -106,12 +124,20 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--compile", action="store_true", help="torch.compile the symmetric chain before capture")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/all_reduce.jsonl"))
-    parser.add_argument("--commit", default=None)
+    parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     args = parser.parse_args()
-    if "LOCAL_RANK" not in os.environ:
-        raise SystemExit("run under torchrun: torchrun --nproc_per_node 2 benchmarks/all_reduce.py ...")
+    if "LOCAL_RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise SystemExit("run under torchrun on 2 or more GPUs: torchrun --nproc_per_node 2 benchmarks/all_reduce.py")
     if any(r < 1 for r in args.rows) or args.hidden < 1 or args.count < 1 or args.replays < 1:
         raise SystemExit("--rows, --hidden, --count and --replays must be positive integers")
+    if args.count > MAX_COUNT:
+        raise SystemExit(f"--count must be at most {MAX_COUNT}: each all-reduce of the compared chains doubles "
+                         "their values, which must stay finite")
+    if args.compile and len(args.rows) > 8:
+        raise SystemExit("--compile takes at most 8 row counts (dynamo recompiles a function at most 8 times)")
+    if any(rows * args.hidden % 2 for rows in args.rows):
+        raise SystemExit("--rows x --hidden must be even for every row count: the one-shot kernel moves bf16 values "
+                         "in 4-byte words")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     group_name = dist.group.WORLD.group_name
