@@ -90,10 +90,10 @@ def _graphed_ms(collectives, replays: int = 20) -> float:
     return start.elapsed_time(end) / replays
 
 
-def forward_nccl_ms(model, batch: int, tokens: int, logits_kept: int) -> float:
+def forward_nccl_ms(model, batch: int, tokens: int, logits_kept: int, all_reduce=dist.all_reduce) -> float:
     """The collectives of one forward of `tokens` tokens per row under the model's TP plan: an all-reduce of the
-    hidden states after every row-parallel projection (attention output and MLP down, per layer, and the embedding)
-    and the all-gather of the kept logits from the column-parallel LM head."""
+    hidden states after every row-parallel projection (attention output and MLP down, per layer, and the embedding;
+    by `all_reduce`) and the all-gather of the kept logits from the column-parallel LM head."""
     text = model.config.get_text_config(decoder=True)
     world = dist.get_world_size()
     hidden = torch.zeros(batch, tokens, text.hidden_size, dtype=model.dtype, device="cuda")
@@ -102,21 +102,34 @@ def forward_nccl_ms(model, batch: int, tokens: int, logits_kept: int) -> float:
 
     def collectives():
         for _ in range(2 * text.num_hidden_layers + 1):
-            dist.all_reduce(hidden)
+            all_reduce(hidden)
         dist.all_gather_into_tensor(gathered, local)
 
     return _graphed_ms(collectives)
 
 
 def nccl_per_iteration(model, batch: int, config, capacity: int) -> dict:
-    """NCCL time of a dense step (gamma = 0) or a Vegas iteration (gamma one-token drafts and a verification of
+    """Collective time of a dense step (gamma = 0) or a Vegas iteration (gamma one-token drafts and a verification of
     gamma + 1 tokens), and, with `selection_heads="all"`, the verification's all-reduce of the fp32 scores of every
-    sparse layer over the cache's slots."""
+    sparse layer over the cache's slots. With `tp_all_reduce="symmetric_memory"` the hidden states' all-reduces are
+    the symmetric ones the generation ran (`tp_all_reduce` in the record says which)."""
+    all_reduce = dist.all_reduce
+    if config.tp_all_reduce == "symmetric_memory":
+        from hf_vegas import symmetric_all_reduce, tensor_parallel
+
+        group = tensor_parallel.tp_group(model, "timing the symmetric all-reduces")
+        hidden = model.config.get_text_config(decoder=True).hidden_size
+        buffer = symmetric_all_reduce.buffer_for(group, batch * (config.max_gamma + 1) * hidden, "cuda", model.dtype)
+
+        def all_reduce(tensor):
+            symmetric_all_reduce.symmetric_all_reduce_(tensor, buffer, group.group_name)
+
+    out = dict(tp_all_reduce=config.tp_all_reduce)
     if config.gamma == 0:
-        return dict(nccl_ms_per_iteration=forward_nccl_ms(model, batch, 1, 1))
+        return dict(out, nccl_ms_per_iteration=forward_nccl_ms(model, batch, 1, 1, all_reduce))
     gamma = config.gamma
-    ms = gamma * forward_nccl_ms(model, batch, 1, 1) + forward_nccl_ms(model, batch, gamma + 1, gamma + 1)
-    out = {}
+    ms = (gamma * forward_nccl_ms(model, batch, 1, 1, all_reduce)
+          + forward_nccl_ms(model, batch, gamma + 1, gamma + 1, all_reduce))
     if config.selection_heads == "all":
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
         scores = torch.zeros(layers, batch, capacity, dtype=torch.float32, device="cuda")

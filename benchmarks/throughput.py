@@ -14,7 +14,8 @@ Methods, on the same prompts in one process:
   vegas      hf_vegas, policy "vegas" (defaults: gamma 6, sparsity 0.07, min 256 tokens, weights scores)
   vegas-all  vegas with `selection_heads="all"` (under tensor parallelism: scores averaged over the ranks)
   streaming  hf_vegas, policy "streaming" (StreamingLLM selection) at the same gamma and budget
-Under `torchrun --nproc_per_node N` the model is sharded with `tp_plan="auto"` (`tensor_parallel_runs.py`).
+Under `torchrun --nproc_per_node N` the model is sharded with `tp_plan="auto"` (`tensor_parallel_runs.py`);
+`--tp-all-reduce symmetric_memory` sums our methods' row-parallel outputs through symmetric memory (2 GPUs).
 Each runs once to warm up (compile, capture), then once timed. Decode tokens/s = batch x (new tokens - 1) / the time
 from the first token (after the prefill) to the last. EOS is ignored: every row generates exactly the tokens asked.
 Bounds (`hf_vegas/traffic.py`): the bytes a step must read over the read bandwidth measured in this run. On
@@ -141,10 +142,11 @@ def _peak_memory() -> dict:
 
 def vegas_config(method: str, args) -> hf_vegas.VegasConfig:
     if method == "dense":
-        return hf_vegas.VegasConfig(gamma=0, compile=args.compile)
+        return hf_vegas.VegasConfig(gamma=0, compile=args.compile, tp_all_reduce=args.tp_all_reduce)
     return hf_vegas.VegasConfig(gamma=args.gamma, sparsity=args.sparsity, min_tokens=args.min_tokens,
                                 budget_boost=args.budget_boost, score=args.score, policy=_policy(method),
-                                selection_heads="all" if method == "vegas-all" else "local", compile=args.compile)
+                                selection_heads="all" if method == "vegas-all" else "local", compile=args.compile,
+                                tp_all_reduce=args.tp_all_reduce)
 
 
 def _policy(method: str) -> str:
@@ -222,6 +224,8 @@ def main() -> None:
                              "rejected")
     parser.add_argument("--score", default="weights")
     parser.add_argument("--compile", action="store_true", help="vegas_compile=True for our methods")
+    parser.add_argument("--tp-all-reduce", choices=hf_vegas.config.TP_ALL_REDUCES, default="nccl",
+                        help="vegas_tp_all_reduce for our methods under torchrun (2 GPUs)")
     parser.add_argument("--data-files", help="local file of prompt texts for `datasets` (default: Python's docs)")
     parser.add_argument("--text-column", default="text")
     parser.add_argument("--project-from", type=Path, help="JSONL with real-model records whose tokens/iteration "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import placement, tensor_parallel, validation
+from . import placement, symmetric_all_reduce, tensor_parallel, validation
 from ._compat import internals as compat
 from .attention import active_cache, vegas_attention
 from .cache import VegasCache
@@ -56,6 +56,9 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
     validation.check_model(model)
     capacity = input_ids.shape[1] + max_new_tokens + 2 * config.gamma + 1
     validation.check_layers(model, capacity, config)
+    symmetric = config.tp_all_reduce == "symmetric_memory"
+    if symmetric:
+        symmetric_all_reduce.check(model, input_ids.device)
     backend_name = backend.resolve_backend(config.backend, input_ids.device, model.dtype)
     cache = VegasCache(model.config, 1, capacity, config, device=input_ids.device, backend=backend_name,
                        layer_devices=placement.layer_devices(model))
@@ -70,6 +73,7 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
         compat.candidate_generator(model, drafter),
         placement.device_guard(input_ids.device),
         in_draft_steps(model, cache, backend_name == "triton" and config.fuse_projections and not cache.spread),
+        symmetric_all_reduce.symmetric_all_reduces(model, config.gamma + 1, input_ids.device, symmetric),
     ):
         return model.generate(
             input_ids,

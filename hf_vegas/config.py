@@ -18,6 +18,7 @@ SCORES = ("logits", "weights")
 POLICIES = tuple(selection.POLICIES)  # one class per policy in `hf_vegas.selection`
 BACKENDS = ("torch", "triton", "auto")
 SELECTION_HEADS = ("local", "all")
+TP_ALL_REDUCES = ("nccl", "symmetric_memory")
 # The draft lengths `gamma="auto"` moves between (each a step shape with graphs of its own), and 0: the dense path.
 AUTO_GAMMAS = (2, 4, 6, 8)
 # A sliding window drafts sparsely when it is longer than SHORT_WINDOW slots and its budget is under 1 / ratio of it.
@@ -69,6 +70,13 @@ class VegasConfig:
             paper's Collect-2-Query average, all-reduced across the ranks once per verification (every rank then
             drafts from the same slots). On one device the two are the same. Either is lossless: the selection only
             decides how many drafts are accepted, and every rank accepts the same.
+        tp_all_reduce (`str`, *optional*, defaults to `"nccl"`):
+            Under tensor parallelism on 2 GPUs, how the row-parallel projections' partial outputs are summed:
+            `"nccl"` as transformers does (`torch.distributed.all_reduce`); `"symmetric_memory"` through a one-shot
+            all-reduce over a buffer both GPUs map, for the decode, draft and verification steps (a prefill's larger
+            sums stay NCCL's). The sums are the same bit for bit; a `(16, 4096)` bf16 one took 7.6 us against NCCL's
+            18.5 in a CUDA graph (2 x H200, `benchmarks/all_reduce.py`). Not yet measured inside a generation (see
+            `hf_vegas.symmetric_all_reduce`), hence not the default.
         backend (`str`, *optional*, defaults to `"auto"`):
             `"torch"` runs the plain-PyTorch ops (`hf_vegas_kernels.naive`), `"triton"` the Triton kernels, `"auto"`
             picks Triton on CUDA when it is available and the plain-PyTorch ops otherwise.
@@ -98,6 +106,7 @@ class VegasConfig:
     score: str = "weights"
     policy: str = "vegas"
     selection_heads: str = "local"
+    tp_all_reduce: str = "nccl"
     backend: str = "auto"
     cuda_graphs: bool = True
     compile: bool = False
@@ -123,7 +132,7 @@ class VegasConfig:
             raise ValueError(f"`vegas_budget_boost` must be a finite number >= 1.0 (1.0: the same budget for every "
                              f"sequence), got {boost!r}.")
         for name, allowed in (("score", SCORES), ("policy", POLICIES), ("selection_heads", SELECTION_HEADS),
-                              ("backend", BACKENDS)):
+                              ("tp_all_reduce", TP_ALL_REDUCES), ("backend", BACKENDS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"`vegas_{name}` must be one of {list(allowed)}, got {value!r}.")

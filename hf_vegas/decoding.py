@@ -19,13 +19,14 @@ import logging
 
 import torch
 
-from . import graphs, placement, prompt_cache, tensor_parallel, validation
+from . import graphs, placement, prompt_cache, symmetric_all_reduce, tensor_parallel, validation
 from ._compat import internals as compat
 from .attention import active_cache, vegas_attention
 from .config import VegasConfig, resolve_config
 from .cpu_linears import weights_left_linears
 from .draft_layers import in_draft_steps
 from .rotary_tables import rotary_tables_once
+from .symmetric_all_reduce import symmetric_all_reduces
 from .ops import backend
 from .output import StepRecorder, VegasGenerateOutput
 from .loop import DecodeLoop
@@ -63,6 +64,7 @@ def generate(
     vegas_score: str | None = None,
     vegas_policy: str | None = None,
     vegas_selection_heads: str | None = None,
+    vegas_tp_all_reduce: str | None = None,
     vegas_backend: str | None = None,
     vegas_cuda_graphs: bool | None = None,
     vegas_compile: bool | None = None,
@@ -76,7 +78,7 @@ def generate(
     Args:
         vegas_config (`VegasConfig` or `dict`, *optional*): all Vegas settings at once.
         vegas_gamma, vegas_sparsity, vegas_min_tokens, vegas_budget_boost, vegas_score, vegas_policy,
-            vegas_selection_heads, vegas_backend, vegas_cuda_graphs, vegas_compile,
+            vegas_selection_heads, vegas_tp_all_reduce, vegas_backend, vegas_cuda_graphs, vegas_compile,
             vegas_fuse_projections (*optional*):
             override single fields of `vegas_config` (see [`VegasConfig`]).
 
@@ -87,7 +89,8 @@ def generate(
     config = resolve_config(
         vegas_config, vegas_gamma=vegas_gamma, vegas_sparsity=vegas_sparsity, vegas_min_tokens=vegas_min_tokens,
         vegas_budget_boost=vegas_budget_boost, vegas_score=vegas_score, vegas_policy=vegas_policy,
-        vegas_selection_heads=vegas_selection_heads, vegas_backend=vegas_backend, vegas_cuda_graphs=vegas_cuda_graphs,
+        vegas_selection_heads=vegas_selection_heads, vegas_tp_all_reduce=vegas_tp_all_reduce,
+        vegas_backend=vegas_backend, vegas_cuda_graphs=vegas_cuda_graphs,
         vegas_compile=vegas_compile, vegas_fuse_projections=vegas_fuse_projections,
     )
     # transformers does not forward `streamer` or `synced_gpus` to custom_generate callables; take them from its
@@ -119,6 +122,9 @@ def generate(
     capacity = int(real_len.max()) + max_new + 2 * config.max_gamma + 1
     validation.check_layers(model, capacity, config)
     group = tensor_parallel.score_group(model) if config.selection_heads == "all" else None
+    symmetric = config.tp_all_reduce == "symmetric_memory"
+    if symmetric:
+        symmetric_all_reduce.check(model, input_ids.device)
     if _CHECKS_ONLY.get():
         return input_ids
     # Layers on several devices (`device_map`): each device's layers read their copy of the plan and selection.
@@ -133,7 +139,8 @@ def generate(
           active_cache(cache), in_draft_steps(model, cache, fusing) as fused_layers,
           rotary_tables_once(model, enabled=config.compile,
                              skip=lambda: fused_layers > 0 and cache.plan.mode == "draft"),
-          weights_left_linears(model, enabled=cache.eager_ops)):
+          weights_left_linears(model, enabled=cache.eager_ops),
+          symmetric_all_reduces(model, input_ids.shape[0] * (config.max_gamma + 1), input_ids.device, symmetric)):
         cache.selection.pool_over(group)
         loop = DecodeLoop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
                      generation_config, streamer, recorder)

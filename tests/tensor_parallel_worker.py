@@ -4,8 +4,9 @@
 
 On a machine with GPUs each rank takes one (NCCL); else the CPU (gloo). Loads the tiny model in MODEL_DIR under
 transformers' tensor parallelism (`tp_plan="auto"`: each rank holds its
-share of the attention heads), runs vanilla greedy `generate`, Vegas greedy and Vegas sampling on a ragged batch,
-and writes what the test checks to OUT_DIR/rank<r>.json.
+share of the attention heads), runs vanilla greedy `generate`, Vegas greedy and Vegas sampling on a ragged batch
+(and greedy with the row-parallel sums through symmetric memory, which the CPU refuses), and writes what the test
+checks to OUT_DIR/rank<r>.json.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, DistributedConfig
 
 import hf_vegas  # registers the short name "vegas"
+from hf_vegas import symmetric_all_reduce
 from hf_vegas._compat.internals import CACHE_KEYWORD
 
 VEGAS = dict(custom_generate="vegas", vegas_gamma=3, vegas_sparsity=0.2, vegas_min_tokens=8)
@@ -58,6 +60,7 @@ def main(model_dir: str, out_dir: str) -> None:
         sharded=type(model.model.layers[0].self_attn.q_proj.weight).__name__, device=str(model.device),
         backend=cache.backend, graphs=hf_vegas.graphs.pooled_graphs(model) is not None,
     )
+    result["symmetric"] = _symmetric_memory_run(model, ids, common)
     if rank == 0:  # the same generation with the whole model on one device: whose selection "all" must reproduce
         whole = AutoModelForCausalLM.from_pretrained(model_dir).to(model.device)
         single = whole.generate(ids, **common, do_sample=False, return_dict_in_generate=True, **VEGAS)
@@ -68,6 +71,22 @@ def main(model_dir: str, out_dir: str) -> None:
     # both results and then did not exit within 120 s, past the one rank's early destroy_process_group).
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _symmetric_memory_run(model, ids, common) -> dict:
+    """Vegas greedy with `vegas_tp_all_reduce="symmetric_memory"` and how many all-reduces took that path (counted
+    as the steps run eagerly and are captured; a replay runs no Python), or the error (on the CPU it is refused
+    before any forward)."""
+    calls = []
+    original = symmetric_all_reduce.symmetric_all_reduce_
+    symmetric_all_reduce.symmetric_all_reduce_ = lambda *args: calls.append(1) or original(*args)
+    try:
+        out = model.generate(ids, **common, do_sample=False, **VEGAS, vegas_tp_all_reduce="symmetric_memory")
+        return dict(greedy=out.tolist(), symmetric_calls=len(calls))
+    except ValueError as error:
+        return dict(error=str(error), symmetric_calls=len(calls))
+    finally:
+        symmetric_all_reduce.symmetric_all_reduce_ = original
 
 
 def _selection(cache) -> list:

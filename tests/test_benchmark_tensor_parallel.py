@@ -19,10 +19,16 @@ from throughput import vegas_config  # noqa: E402
 
 def test_vegas_all_is_the_vegas_policy_with_scores_averaged_over_every_head():
     args = argparse.Namespace(gamma=6, sparsity=0.07, min_tokens=256, budget_boost=1.0, score="weights",
-                              compile=False)
+                              compile=False, tp_all_reduce="nccl")
     everyone, local = vegas_config("vegas-all", args), vegas_config("vegas", args)
     assert (everyone.policy, everyone.selection_heads) == ("vegas", "all")
     assert (local.policy, local.selection_heads) == ("vegas", "local")
+
+
+def test_tp_all_reduce_reaches_our_methods_dense_included():
+    args = argparse.Namespace(gamma=6, sparsity=0.07, min_tokens=256, budget_boost=1.0, score="weights",
+                              compile=False, tp_all_reduce="symmetric_memory")
+    assert {vegas_config(m, args).tp_all_reduce for m in ("dense", "vegas", "vegas-all")} == {"symmetric_memory"}
 
 
 @pytest.fixture

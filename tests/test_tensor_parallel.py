@@ -60,6 +60,15 @@ def test_tensor_parallel_ranks_give_vanilla_greedy_and_agree_when_sampling(arch,
         assert pooled["greedy"] == rank["vanilla"]
     # ... and that is the selection of the whole model on one device (the mean over every head).
     assert everyone[0]["selection"] == ranks[0]["single_device"]["selection"]
+    # `vegas_tp_all_reduce="symmetric_memory"`: on two GPUs the decode, draft and verification steps' sums go through
+    # symmetric memory and greedy stays vanilla's; on the CPU (gloo) it is refused before any forward.
+    for rank in ranks:
+        symmetric = rank["symmetric"]
+        if rank["device"].startswith("cuda"):
+            assert symmetric.get("greedy") == rank["vanilla"], symmetric.get("error")
+            assert symmetric["symmetric_calls"] > 0, "no all-reduce went through symmetric memory"
+        else:
+            assert "needs CUDA devices" in symmetric["error"] and symmetric["symmetric_calls"] == 0
 
 
 def test_on_one_device_all_heads_are_the_local_heads():

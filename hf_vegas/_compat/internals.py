@@ -154,3 +154,18 @@ def candidate_generator(model, build):
             setattr(model, name, previous)
         else:
             delattr(model, name)
+
+
+# -- tensor parallelism ----------------------------------------------------------------------------------------------
+
+def tensor_parallel_module():
+    """transformers' tensor-parallel module. Its row-parallel layers sum their partial outputs with `dist.all_reduce`
+    (`RowwiseParallel.transform_output_post_forward`, 5.17.0 and 5.24.0), `dist` being its name for
+    `torch.distributed` (or, during a generation with `vegas_tp_all_reduce="symmetric_memory"`, hf_vegas' stand-in)."""
+    try:
+        from transformers.distributed import tensor_parallel as module
+    except ImportError as error:
+        raise changed("transformers.distributed.tensor_parallel", str(error)) from None
+    if not hasattr(module, "dist"):
+        raise changed("transformers.distributed.tensor_parallel.dist", "the module no longer names torch.distributed")
+    return module

@@ -1,0 +1,135 @@
+"""Row-parallel all-reduces through symmetric memory under transformers' tensor parallelism (`vegas_tp_all_reduce`).
+
+transformers sums a row-parallel projection's partial outputs over the ranks with `torch.distributed.all_reduce`
+(NCCL), called from its tensor-parallel module (`_compat.internals.tensor_parallel_module`). A draft step's are small
+and many: a Qwen3-8B-shaped forward at batch 16 under TP = 2 makes 73 of `(16, 4096)` bf16, each 18.5 us in a CUDA
+graph on 2 x H200: latency, not bytes. A one-shot all-reduce through symmetric memory
+(`torch.ops.symm_mem.one_shot_all_reduce_copy_out`: each rank copies its partial into a buffer every rank maps, a
+device-side barrier, then each rank sums every rank's buffer; no NVLink multicast) took 7.6 us, and gave NCCL's sums
+bit for bit (`benchmarks/all_reduce.py`, README "Multi-GPU").
+
+With `vegas_tp_all_reduce="symmetric_memory"`, while `generate` runs, that module's `dist` is a stand-in whose
+`all_reduce` sends each in-place sum of a tensor that fits the buffer, on the model's tensor-parallel group, through
+`symmetric_all_reduce_`. Everything else goes to `torch.distributed` unchanged: other groups and reductions,
+asynchronous calls, a prefill's larger activations, and every other function of the module. Every rank routes a
+call alike (the choice reads shapes and dtypes only), so the ranks' collectives stay in step.
+
+Two ranks only: with two, each sum is `a + b` on both ranks whichever kernel adds it (the benchmark compared them
+bit for bit). With more, the one-shot order would round otherwise than NCCL's ring, and greedy Vegas could leave
+vanilla greedy under the same parallelism.
+
+The buffer holds the largest decode, draft or verification activation, `batch * (gamma + 1)` rows of the hidden size.
+It is allocated and rendezvoused once per (group, device, dtype, size) and kept (graphs captured over it replay
+with its address): a collective call, which every rank makes at the same point of `generate`, eagerly (the one-shot
+op is captured in a CUDA graph only over a buffer rendezvoused before the capture).
+
+`symmetric_all_reduce_` is an op of hf_vegas, with a fake, because torch 2.11 has none for the symmetric op: a
+compiled step could not trace it (dynamo refused it in the benchmark). It declares that it writes the buffer too
+(it copies its input there first). Not yet run on a GPU inside `generate` (issue 12): the benchmark ran the op, eager,
+chained, compiled and captured, but no generation has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ._compat import internals as compat
+from . import tensor_parallel
+
+Tensor = torch.Tensor
+DTYPES = (torch.bfloat16, torch.float32)  # what the one-shot kernel sums
+OPTION = "`vegas_tp_all_reduce='symmetric_memory'`"
+
+
+@torch.library.custom_op("hf_vegas::symmetric_all_reduce_", mutates_args=("x", "buffer"))
+def symmetric_all_reduce_(x: Tensor, buffer: Tensor, group_name: str) -> None:
+    """`x` summed over the ranks of `group_name` in place, through the symmetric `buffer` (1-D, at least as long)."""
+    torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer[: x.numel()].view(x.shape), x, "sum", group_name, x)
+
+
+@symmetric_all_reduce_.register_fake
+def _(x, buffer, group_name):
+    return None
+
+
+class _Distributed:
+    """What transformers' tensor-parallel module calls `dist` during a generation: `torch.distributed`, but for the
+    all-reduces that `routes` sends through symmetric memory."""
+
+    def __init__(self, group, buffer: Tensor):
+        self._group, self._buffer, self._group_name = group, buffer, group.group_name
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+    def routes(self, tensor: Tensor, op, group, async_op: bool) -> bool:
+        """Whether this all-reduce goes through symmetric memory: an in-place sum on the tensor-parallel group of a
+        contiguous tensor of the buffer's device and dtype that fits it, on 4-byte boundaries (the kernel's word)."""
+        return (group is self._group and (op is None or op == torch.distributed.ReduceOp.SUM) and not async_op
+                and tensor.device == self._buffer.device and tensor.dtype == self._buffer.dtype
+                and tensor.is_contiguous() and tensor.numel() <= self._buffer.numel()
+                and tensor.numel() * tensor.element_size() % 4 == 0
+                and tensor.storage_offset() * tensor.element_size() % 4 == 0)
+
+    def all_reduce(self, tensor: Tensor, op=None, group=None, async_op: bool = False):
+        if self.routes(tensor, op, group, async_op):
+            symmetric_all_reduce_(tensor, self._buffer, self._group_name)
+            return None
+        kwargs = {} if op is None else dict(op=op)
+        return torch.distributed.all_reduce(tensor, group=group, async_op=async_op, **kwargs)
+
+
+# Never freed: the CUDA graphs captured over a buffer (kept per shape bucket, `hf_vegas.graphs`) replay with its
+# address, whatever generation runs next.
+_buffers: dict[tuple[str, torch.device, torch.dtype, int], Tensor] = {}
+
+
+def buffer_for(group, numel: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """The group's symmetric buffer of `numel` elements (a collective, the first time a size is asked for)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    key = (group.group_name, torch.device(device), dtype, numel)
+    if key not in _buffers:
+        buffer = symm_mem.empty(numel, dtype=dtype, device=device)
+        symm_mem.rendezvous(buffer, group=group.group_name)
+        _buffers[key] = buffer
+    return _buffers[key]
+
+
+def check(model, device: torch.device) -> None:
+    """Raise before any GPU work if `model` on `device` cannot sum its all-reduces through symmetric memory."""
+    group = tensor_parallel.tp_group(model, f"{OPTION} replaces the all-reduces of the tensor-parallel ranks")
+    if group is None:
+        raise ValueError(f"{OPTION} replaces the all-reduces of transformers' tensor parallelism, but this model is "
+                         "not sharded (load it with DistributedConfig(tp_plan='auto') under torchrun). Use 'nccl'.")
+    if torch.distributed.get_world_size(group) != 2:
+        raise ValueError(f"{OPTION} runs on 2 tensor-parallel ranks (where its sums equal NCCL's bit for bit); this "
+                         f"model has {torch.distributed.get_world_size(group)}. Use 'nccl'.")
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"{OPTION} needs CUDA devices; this model is on {device}. Use 'nccl'.")
+    if model.dtype not in DTYPES:
+        raise ValueError(f"{OPTION} sums {[str(d) for d in DTYPES]} tensors; this model is {model.dtype}. Use 'nccl'.")
+    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
+        raise ValueError(f"{OPTION} needs torch.ops.symm_mem.one_shot_all_reduce_copy_out, which torch "
+                         f"{torch.__version__} lacks. Use 'nccl'.")
+    compat.tensor_parallel_module()
+
+
+@contextlib.contextmanager
+def symmetric_all_reduces(model, rows: int, device: torch.device, enabled: bool = True):
+    """Inside the block, transformers' tensor-parallel all-reduces of `model` that fit `rows` rows of its hidden size
+    run through symmetric memory (see the module docstring); a no-op block when not `enabled`. `check` first."""
+    if not enabled:
+        yield
+        return
+    group = tensor_parallel.tp_group(model, f"{OPTION} replaces the all-reduces of the tensor-parallel ranks")
+    module = compat.tensor_parallel_module()
+    buffer = buffer_for(group, rows * model.config.get_text_config(decoder=True).hidden_size, device, model.dtype)
+    previous = module.dist
+    module.dist = _Distributed(group, buffer)
+    try:
+        yield
+    finally:
+        module.dist = previous

@@ -1,0 +1,99 @@
+"""`vegas_tp_all_reduce="symmetric_memory"` (`hf_vegas.symmetric_all_reduce`): which all-reduces the stand-in for
+transformers' `dist` takes, that it is installed for the block only, and the errors before any forward. The op itself
+needs two GPUs: `tests/test_tensor_parallel.py` runs a generation with it there (and checks the CPU refusal with two
+gloo ranks); here a recorder stands in for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import ragged_batch, tiny_model
+
+from hf_vegas import symmetric_all_reduce
+from hf_vegas._compat import internals as compat
+
+
+class _Group:
+    group_name = "tp"
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """What reached the symmetric op and what reached torch.distributed.all_reduce."""
+    seen = {"symmetric": [], "nccl": []}
+    monkeypatch.setattr(symmetric_all_reduce, "symmetric_all_reduce_",
+                        lambda x, buffer, name: seen["symmetric"].append((tuple(x.shape), buffer, name)))
+    monkeypatch.setattr(torch.distributed, "all_reduce",
+                        lambda tensor, **kwargs: seen["nccl"].append((tuple(tensor.shape), kwargs)))
+    return seen
+
+
+def test_the_stand_in_takes_in_place_sums_on_the_group_that_fit(calls):
+    group, other = _Group(), _Group()
+    buffer = torch.empty(64 * 8, dtype=torch.bfloat16)
+    dist = symmetric_all_reduce._Distributed(group, buffer)
+    x = torch.ones(4, 16, dtype=torch.bfloat16)
+    assert dist.all_reduce(x, group=group) is None  # transformers' call: default op, its group
+    assert calls["symmetric"] == [((4, 16), buffer, "tp")] and not calls["nccl"]
+    dist.all_reduce(torch.ones(32, 16, dtype=torch.bfloat16), group=group, op=torch.distributed.ReduceOp.SUM)
+    assert len(calls["symmetric"]) == 2  # exactly the buffer's size fits
+    calls["symmetric"].clear()
+    declined = [
+        dict(tensor=torch.ones(33, 16, dtype=torch.bfloat16), group=group),  # larger than the buffer (a prefill's)
+        dict(tensor=x, group=other),  # another group
+        dict(tensor=x, group=group, op=torch.distributed.ReduceOp.MAX),  # another reduction
+        dict(tensor=x, group=group, async_op=True),
+        dict(tensor=x.float(), group=group),  # another dtype
+        dict(tensor=torch.ones(16, 4, dtype=torch.bfloat16).t(), group=group),  # not contiguous
+        dict(tensor=torch.ones(3, dtype=torch.bfloat16), group=group),  # 6 bytes: not whole 4-byte words
+        dict(tensor=torch.ones(5, dtype=torch.bfloat16)[1:], group=group),  # starts inside a 4-byte word
+    ]
+    for kwargs in declined:
+        dist.all_reduce(**kwargs)
+    assert not calls["symmetric"] and len(calls["nccl"]) == len(declined)
+    assert calls["nccl"][2][1]["op"] == torch.distributed.ReduceOp.MAX and calls["nccl"][3][1]["async_op"]
+    assert "op" not in calls["nccl"][0][1], "a call without an op reaches torch.distributed without one"
+    assert dist.get_world_size is torch.distributed.get_world_size  # everything else is torch.distributed's
+
+
+def test_installed_for_the_block_only_also_when_it_raises(monkeypatch):
+    module = compat.tensor_parallel_module()
+    group, made = _Group(), []
+    monkeypatch.setattr(symmetric_all_reduce.tensor_parallel, "tp_group", lambda model, needed_by: group)
+    monkeypatch.setattr(symmetric_all_reduce, "buffer_for",
+                        lambda group, numel, device, dtype: made.append(numel) or torch.empty(numel, dtype=dtype))
+    model = tiny_model("llama")
+    with symmetric_all_reduce.symmetric_all_reduces(model, 12, torch.device("cpu"), enabled=False):
+        assert module.dist is torch.distributed and not made
+    with pytest.raises(RuntimeError, match="inside"):
+        with symmetric_all_reduce.symmetric_all_reduces(model, 12, torch.device("cpu")):
+            assert isinstance(module.dist, symmetric_all_reduce._Distributed)
+            assert made == [12 * model.config.hidden_size], "a buffer of the largest step's rows of hidden size"
+            raise RuntimeError("inside")
+    assert module.dist is torch.distributed
+
+
+def test_a_model_without_tensor_parallelism_is_refused_before_any_forward():
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([12, 9])
+    forwards = []
+    model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    with pytest.raises(ValueError, match="vegas_tp_all_reduce='symmetric_memory'.*not sharded.*Use 'nccl'"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, custom_generate="vegas",
+                       vegas_tp_all_reduce="symmetric_memory")
+    with pytest.raises(ValueError, match="vegas_tp_all_reduce` must be one of \\['nccl', 'symmetric_memory'\\]"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, custom_generate="vegas", vegas_tp_all_reduce="nvls")
+    assert forwards == []
+
+
+@pytest.mark.parametrize("world,device,dtype,message", [
+    (4, "cuda", torch.bfloat16, "runs on 2 tensor-parallel ranks"),
+    (2, "cpu", torch.bfloat16, "needs CUDA devices"),
+    (2, "cuda", torch.float16, "sums \\['torch.bfloat16', 'torch.float32'\\] tensors"),
+])
+def test_what_the_one_shot_kernel_cannot_sum_is_refused(monkeypatch, world, device, dtype, message):
+    monkeypatch.setattr(symmetric_all_reduce.tensor_parallel, "tp_group", lambda model, needed_by: _Group())
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
+    model = tiny_model("llama").to(dtype)
+    with pytest.raises(ValueError, match=message):
+        symmetric_all_reduce.check(model, torch.device(device))
