@@ -2,8 +2,10 @@
 
     torchrun --nproc_per_node 2 benchmarks/all_reduce.py --rows 16 64 112 --hidden 4096 --count 73
 
-A Qwen3-8B-shaped forward under TP = 2 all-reduces `(rows, 4096)` bf16 activations 73 times (two row-parallel
-projections per layer x 36, and the embedding): 16 rows in a batch-16 draft step, 112 in its verification. Small
+A Qwen3-8B-shaped forward under TP = 2 all-reduces `(rows, 4096)` bf16 activations 72 times (two row-parallel
+projections per layer x 36; `--count` 73 is what `tensor_parallel_runs` times per forward, one more for an embedding
+all-reduce that transformers 5.17's and 5.24's Qwen3 plans do not make): 16 rows in a batch-16 draft step, 112 in its
+verification. Small
 messages cost NCCL its latency, not bytes. A one-shot all-reduce through symmetric memory
 (`torch.ops.symm_mem.one_shot_all_reduce_copy_out`: each rank copies its partial into a buffer every rank maps, a
 device-side barrier, then each rank sums every rank's buffer) needs no NVLink multicast, and is captured in a CUDA

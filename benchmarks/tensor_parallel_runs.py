@@ -118,8 +118,9 @@ def nccl_per_iteration(model, batch: int, config, capacity: int) -> dict:
         from hf_vegas import symmetric_all_reduce, tensor_parallel
 
         group = tensor_parallel.tp_group(model, "timing the symmetric all-reduces")
-        hidden = model.config.get_text_config(decoder=True).hidden_size
-        buffer = symmetric_all_reduce.buffer_for(group, batch * (config.max_gamma + 1) * hidden, "cuda", model.dtype)
+        numel = symmetric_all_reduce.buffer_numel(model, batch * (config.max_gamma + 1))  # the generation's buffer
+        device = torch.device("cuda", torch.cuda.current_device())
+        buffer = symmetric_all_reduce.buffer_for(group, numel, device, model.dtype)
 
         def all_reduce(tensor):
             symmetric_all_reduce.symmetric_all_reduce_(tensor, buffer, group.group_name)

@@ -2,8 +2,8 @@
 
 transformers sums a row-parallel projection's partial outputs over the ranks with `torch.distributed.all_reduce`
 (NCCL), called from its tensor-parallel module (`_compat.internals.tensor_parallel_module`). A draft step's are small
-and many: a Qwen3-8B-shaped forward at batch 16 under TP = 2 makes 73 of `(16, 4096)` bf16, each 18.5 us in a CUDA
-graph on 2 x H200: latency, not bytes. A one-shot all-reduce through symmetric memory
+and many: a Qwen3-8B-shaped forward at batch 16 under TP = 2 makes 72 of `(16, 4096)` bf16 (two per layer), each
+18.5 us in a CUDA graph on 2 x H200: latency, not bytes. A one-shot all-reduce through symmetric memory
 (`torch.ops.symm_mem.one_shot_all_reduce_copy_out`: each rank copies its partial into a buffer every rank maps, a
 device-side barrier, then each rank sums every rank's buffer; no NVLink multicast) took 7.6 us, and gave NCCL's sums
 bit for bit (`benchmarks/all_reduce.py`, README "Multi-GPU").
@@ -11,17 +11,22 @@ bit for bit (`benchmarks/all_reduce.py`, README "Multi-GPU").
 With `vegas_tp_all_reduce="symmetric_memory"`, while `generate` runs, that module's `dist` is a stand-in whose
 `all_reduce` sends each in-place sum of a tensor that fits the buffer, on the model's tensor-parallel group, through
 `symmetric_all_reduce_`. Everything else goes to `torch.distributed` unchanged: other groups and reductions,
-asynchronous calls, a prefill's larger activations, and every other function of the module. Every rank routes a
-call alike (the choice reads shapes and dtypes only), so the ranks' collectives stay in step.
+asynchronous calls, activations larger than the buffer (a prefill's, but for prompts of at most gamma + 1 tokens),
+and every other function of the module. Every rank routes a call alike (the choice reads shapes and dtypes only), so
+the ranks' collectives stay in step. The buffer has the model's dtype: under autocast, activations of another dtype
+go to NCCL.
+
+A rank that fails inside a forward leaves the other's GPU waiting at the one-shot kernel's barrier, which has no
+timeout (NCCL's watchdog does not see it): the process must be stopped from outside.
 
 Two ranks only: with two, each sum is `a + b` on both ranks whichever kernel adds it (the benchmark compared them
 bit for bit). With more, the one-shot order would round otherwise than NCCL's ring, and greedy Vegas could leave
 vanilla greedy under the same parallelism.
 
-The buffer holds the largest decode, draft or verification activation, `batch * (gamma + 1)` rows of the hidden size.
-It is allocated and rendezvoused once per (group, device, dtype, size) and kept (graphs captured over it replay
-with its address): a collective call, which every rank makes at the same point of `generate`, eagerly (the one-shot
-op is captured in a CUDA graph only over a buffer rendezvoused before the capture).
+The buffer holds the largest decode, draft or verification activation, `batch * (gamma + 1)` rows of the hidden size
+(rounded up to a power of two). It is allocated and rendezvoused once per (group, device, dtype, size) and kept
+(graphs captured over it replay with its address): a collective call, which every rank makes at the same point of
+`generate`, eagerly (the one-shot op is captured in a CUDA graph only over a buffer rendezvoused before the capture).
 
 `symmetric_all_reduce_` is an op of hf_vegas, with a fake, because torch 2.11 has none for the symmetric op: a
 compiled step could not trace it (dynamo refused it in the benchmark). It declares that it writes the buffer too
@@ -45,7 +50,14 @@ OPTION = "`vegas_tp_all_reduce='symmetric_memory'`"
 
 @torch.library.custom_op("hf_vegas::symmetric_all_reduce_", mutates_args=("x", "buffer"))
 def symmetric_all_reduce_(x: Tensor, buffer: Tensor, group_name: str) -> None:
-    """`x` summed over the ranks of `group_name` in place, through the symmetric `buffer` (1-D, at least as long)."""
+    """`x` summed over the ranks of `group_name` in place, through the symmetric `buffer` (1-D, at least as long).
+
+    The kernel wants its input as aligned as the buffer's start (16 bytes); a tensor that is not (a view into
+    another) is summed by NCCL instead. Told here, from the real address, which a compiled step's trace does not
+    have; every rank's tensor sits alike, so every rank takes the same path."""
+    if x.data_ptr() % 16:
+        torch.distributed.all_reduce(x, group=torch.distributed.distributed_c10d._resolve_process_group(group_name))
+        return
     torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer[: x.numel()].view(x.shape), x, "sum", group_name, x)
 
 
@@ -66,12 +78,12 @@ class _Distributed:
 
     def routes(self, tensor: Tensor, op, group, async_op: bool) -> bool:
         """Whether this all-reduce goes through symmetric memory: an in-place sum on the tensor-parallel group of a
-        contiguous tensor of the buffer's device and dtype that fits it, on 4-byte boundaries (the kernel's word)."""
+        contiguous tensor of the buffer's device and dtype that fits it, in whole 4-byte words (the kernel's). Only
+        what a compiled step's trace knows is read (no address, no storage offset: dynamo would break the graph)."""
         return (group is self._group and (op is None or op == torch.distributed.ReduceOp.SUM) and not async_op
                 and tensor.device == self._buffer.device and tensor.dtype == self._buffer.dtype
                 and tensor.is_contiguous() and tensor.numel() <= self._buffer.numel()
-                and tensor.numel() * tensor.element_size() % 4 == 0
-                and tensor.storage_offset() * tensor.element_size() % 4 == 0)
+                and tensor.numel() * tensor.element_size() % 4 == 0)
 
     def all_reduce(self, tensor: Tensor, op=None, group=None, async_op: bool = False):
         if self.routes(tensor, op, group, async_op):
@@ -111,10 +123,20 @@ def check(model, device: torch.device) -> None:
         raise ValueError(f"{OPTION} needs CUDA devices; this model is on {device}. Use 'nccl'.")
     if model.dtype not in DTYPES:
         raise ValueError(f"{OPTION} sums {[str(d) for d in DTYPES]} tensors; this model is {model.dtype}. Use 'nccl'.")
-    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
+    if not _has_one_shot_op():
         raise ValueError(f"{OPTION} needs torch.ops.symm_mem.one_shot_all_reduce_copy_out, which torch "
                          f"{torch.__version__} lacks. Use 'nccl'.")
     compat.tensor_parallel_module()
+
+
+def buffer_numel(model, rows: int) -> int:
+    """The buffer's size for forwards of at most `rows` rows: rows rounded up to a power of two (fewer sizes, each a
+    collective to make) of the hidden size."""
+    return (1 << max(rows - 1, 0).bit_length()) * model.config.get_text_config(decoder=True).hidden_size
+
+
+def _has_one_shot_op() -> bool:
+    return hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
 
 
 @contextlib.contextmanager
@@ -126,7 +148,10 @@ def symmetric_all_reduces(model, rows: int, device: torch.device, enabled: bool 
         return
     group = tensor_parallel.tp_group(model, f"{OPTION} replaces the all-reduces of the tensor-parallel ranks")
     module = compat.tensor_parallel_module()
-    buffer = buffer_for(group, rows * model.config.get_text_config(decoder=True).hidden_size, device, model.dtype)
+    if isinstance(module.dist, _Distributed):  # two blocks would put `dist` back out of order
+        raise RuntimeError(f"{OPTION}: another generation in this process already sums through symmetric memory; "
+                           "run them one after the other.")
+    buffer = buffer_for(group, buffer_numel(model, rows), device, model.dtype)
     previous = module.dist
     module.dist = _Distributed(group, buffer)
     try:

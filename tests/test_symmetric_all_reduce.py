@@ -46,7 +46,6 @@ def test_the_stand_in_takes_in_place_sums_on_the_group_that_fit(calls):
         dict(tensor=x.float(), group=group),  # another dtype
         dict(tensor=torch.ones(16, 4, dtype=torch.bfloat16).t(), group=group),  # not contiguous
         dict(tensor=torch.ones(3, dtype=torch.bfloat16), group=group),  # 6 bytes: not whole 4-byte words
-        dict(tensor=torch.ones(5, dtype=torch.bfloat16)[1:], group=group),  # starts inside a 4-byte word
     ]
     for kwargs in declined:
         dist.all_reduce(**kwargs)
@@ -68,7 +67,11 @@ def test_installed_for_the_block_only_also_when_it_raises(monkeypatch):
     with pytest.raises(RuntimeError, match="inside"):
         with symmetric_all_reduce.symmetric_all_reduces(model, 12, torch.device("cpu")):
             assert isinstance(module.dist, symmetric_all_reduce._Distributed)
-            assert made == [12 * model.config.hidden_size], "a buffer of the largest step's rows of hidden size"
+            assert made == [16 * model.config.hidden_size], "the largest step's rows (to a power of two) of hidden"
+            with pytest.raises(RuntimeError, match="already sums through symmetric memory"):
+                with symmetric_all_reduce.symmetric_all_reduces(model, 12, torch.device("cpu")):
+                    pass
+            assert isinstance(module.dist, symmetric_all_reduce._Distributed), "the refused block changed nothing"
             raise RuntimeError("inside")
     assert module.dist is torch.distributed
 
@@ -86,14 +89,29 @@ def test_a_model_without_tensor_parallelism_is_refused_before_any_forward():
     assert forwards == []
 
 
-@pytest.mark.parametrize("world,device,dtype,message", [
-    (4, "cuda", torch.bfloat16, "runs on 2 tensor-parallel ranks"),
-    (2, "cpu", torch.bfloat16, "needs CUDA devices"),
-    (2, "cuda", torch.float16, "sums \\['torch.bfloat16', 'torch.float32'\\] tensors"),
+@pytest.mark.parametrize("world,device,dtype,has_op,message", [
+    (4, "cuda", torch.bfloat16, True, "runs on 2 tensor-parallel ranks"),
+    (2, "cpu", torch.bfloat16, True, "needs CUDA devices"),
+    (2, "cuda", torch.float16, True, "sums \\['torch.bfloat16', 'torch.float32'\\] tensors"),
+    (2, "cuda", torch.bfloat16, False, "needs torch.ops.symm_mem.one_shot_all_reduce_copy_out"),
 ])
-def test_what_the_one_shot_kernel_cannot_sum_is_refused(monkeypatch, world, device, dtype, message):
+def test_what_the_one_shot_kernel_cannot_sum_is_refused(monkeypatch, world, device, dtype, has_op, message):
     monkeypatch.setattr(symmetric_all_reduce.tensor_parallel, "tp_group", lambda model, needed_by: _Group())
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(symmetric_all_reduce, "_has_one_shot_op", lambda: has_op)
     model = tiny_model("llama").to(dtype)
     with pytest.raises(ValueError, match=message):
         symmetric_all_reduce.check(model, torch.device(device))
+
+
+def test_a_tensor_less_aligned_than_the_buffer_is_summed_by_nccl(monkeypatch):
+    """The kernel wants its input as aligned as the buffer's start: the op tells from the real address (a compiled
+    trace has none) and hands such a tensor to NCCL on the group of that name."""
+    seen = []
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_resolve_process_group", lambda name: f"group {name}")
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, group: seen.append((tensor.numel(), group)))
+    storage = torch.zeros(16, dtype=torch.bfloat16)
+    x = storage[1:9]  # 2 bytes past a 16-byte boundary
+    assert x.data_ptr() % 16 and storage.data_ptr() % 16 == 0
+    symmetric_all_reduce.symmetric_all_reduce_(x, torch.empty(64, dtype=torch.bfloat16), "tp")
+    assert seen == [(8, "group tp")]
