@@ -115,3 +115,24 @@ def test_a_tensor_less_aligned_than_the_buffer_is_summed_by_nccl(monkeypatch):
     assert x.data_ptr() % 16 and storage.data_ptr() % 16 == 0
     symmetric_all_reduce.symmetric_all_reduce_(x, torch.empty(64, dtype=torch.bfloat16), "tp")
     assert seen == [(8, "group tp")]
+
+
+def test_a_compiled_forward_traces_the_stand_in_whole(monkeypatch):
+    """A compiled step reaches the stand-in inside the traced forward (transformers' module global): `routes` and
+    the op trace without a graph break (`fullgraph=True`), with transformers' call and with an explicit SUM. (The
+    tensor sits 2 bytes past 16-byte alignment, so at run time the op hands it to a stand-in NCCL.)"""
+    group = _Group()
+    dist = symmetric_all_reduce._Distributed(group, torch.empty(64, dtype=torch.bfloat16))
+    seen = []
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_resolve_process_group", lambda name: name)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, group: seen.append(group) or tensor.mul_(2))
+
+    def forward(x):
+        y = x.new_zeros(9)[1:]
+        y.copy_(x * 3)
+        dist.all_reduce(y, group=group)
+        dist.all_reduce(y, op=torch.distributed.ReduceOp.SUM, group=group)
+        return y + 1
+
+    out = torch.compile(forward, fullgraph=True, backend="aot_eager")(torch.ones(8, dtype=torch.bfloat16))
+    assert seen == ["tp", "tp"] and torch.equal(out, torch.full((8,), 13.0, dtype=torch.bfloat16))
