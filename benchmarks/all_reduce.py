@@ -5,8 +5,7 @@
 A Qwen3-8B-shaped forward under TP = 2 all-reduces `(rows, 4096)` bf16 activations 72 times (two row-parallel
 projections per layer x 36; `--count` 73 is what `tensor_parallel_runs` times per forward, one more for an embedding
 all-reduce that transformers 5.17's and 5.24's Qwen3 plans do not make): 16 rows in a batch-16 draft step, 112 in its
-verification. Small
-messages cost NCCL its latency, not bytes. A one-shot all-reduce through symmetric memory
+verification. Small messages cost NCCL its latency, not bytes. A one-shot all-reduce through symmetric memory
 (`torch.ops.symm_mem.one_shot_all_reduce_copy_out`: each rank copies its partial into a buffer every rank maps, a
 device-side barrier, then each rank sums every rank's buffer) needs no NVLink multicast, and is captured in a CUDA
 graph once its buffer was allocated and rendezvoused eagerly (torch issues #184527, #197857).
@@ -15,8 +14,10 @@ For each row count, on every rank: one eager all-reduce of each kind against NCC
 its own input, as an in-place all-reduce must), then `--count` chained all-reduces captured in a graph per kind; the
 two chains' results are compared on every rank (the buffer is reused by each all-reduce of the chain), and each graph
 is replayed `--replays` times to time one all-reduce on the GPU's clock (twice per kind, in both orders; the faster
-pass counts). `--compile` also traces the symmetric chain with `torch.compile` before
-capturing it (through an op of our own with a fake: torch 2.11 has none for the symmetric op, so dynamo refused it).
+pass counts). `--compile` also traces the symmetric chain with `torch.compile` before capturing it. The symmetric
+all-reduce is hf_vegas' own op (`hf_vegas.symmetric_all_reduce.symmetric_all_reduce_`, what a generation with
+`vegas_tp_all_reduce="symmetric_memory"` runs): an op with a fake, as torch 2.11 has none for the symmetric op and
+dynamo refused it. (The records up to 689c543 ran this script's own copy of that op: the same kernel call.)
 Rank 0 prints a line and appends a record to `--out` per row count.
 """
 
@@ -28,64 +29,22 @@ from pathlib import Path
 
 import provenance
 import results_io
+import tensor_parallel_runs
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
+
+from hf_vegas.symmetric_all_reduce import symmetric_all_reduce_
 
 
 # Chained all-reduces of two ranks double the values each time; bf16's range (as fp32's) holds 2**127.
 MAX_COUNT = 100
 
 
-@torch.library.custom_op("hf_vegas_benchmarks::one_shot_all_reduce_", mutates_args=("x", "buffer"))
-def one_shot_all_reduce_(x: torch.Tensor, buffer: torch.Tensor, group_name: str) -> None:
-    """`x` summed over the group in place through the symmetric `buffer` (which it overwrites with `x` first). An op
-    of our own because torch (2.11) has no fake for `one_shot_all_reduce_copy_out`, so `torch.compile` cannot trace
-    that one (`--compile`)."""
-    torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer, x, "sum", group_name, x)
-
-
-@one_shot_all_reduce_.register_fake
-def _(x, buffer, group_name):
-    return None
-
-
-def _replay_time(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """Seconds per replay on the GPU's clock (CUDA events), every rank replaying in step (a one-shot all-reduce
-    waits for its peers). The replays go on doubling the chain's values into infinities: timing does not read
-    them."""
-    graph.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / replays
-
-
-def _capture(chain, *args) -> torch.cuda.CUDAGraph:
-    graph = torch.cuda.CUDAGraph()
-    chain(*args)  # warm (a compiled chain compiles here), eagerly, as a step runs before its capture
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        chain(*args)
-    return graph
-
-
-def _on_every_rank(flag: bool) -> bool:
-    """Whether `flag` holds on every rank (a wrong read shows on one rank's result only)."""
-    agreed = torch.tensor([int(flag)], device="cuda")
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-    return bool(agreed.item())
-
-
 def measure(rows: int, hidden: int, count: int, replays: int, compile_chain: bool, group_name: str) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(dist.get_rank())
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
-    buffer = symm_mem.empty(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    buffer = symm_mem.empty(rows * hidden, device="cuda", dtype=torch.bfloat16)
     symm_mem.rendezvous(buffer, group=group_name)
 
     def nccl_chain(y):
@@ -94,27 +53,32 @@ def measure(rows: int, hidden: int, count: int, replays: int, compile_chain: boo
 
     def symmetric_chain(y):
         for _ in range(count):
-            one_shot_all_reduce_(y, buffer, group_name)
+            symmetric_all_reduce_(y, buffer, group_name)
 
     want, got = x.clone(), x.clone()
     dist.all_reduce(want)
-    one_shot_all_reduce_(got, buffer, group_name)  # written over its own input
-    eager_equal = _on_every_rank(torch.equal(got, want))
+    symmetric_all_reduce_(got, buffer, group_name)  # written over its own input
+    eager_equal = not tensor_parallel_runs.any_rank_failed(not torch.equal(got, want))
     # (One compilation per row count: the chain closes over its buffer; hence at most 8 row counts with --compile.)
     chain = torch.compile(symmetric_chain, fullgraph=True) if compile_chain else symmetric_chain
     nccl_y, symm_y = x.clone(), x.clone()
-    nccl, symm = _capture(nccl_chain, nccl_y), _capture(chain, symm_y)
+    # One eager run before each capture (a compiled chain compiles there), as a step runs before its capture.
+    nccl = tensor_parallel_runs.capture(lambda: nccl_chain(nccl_y), warmups=1)
+    symm = tensor_parallel_runs.capture(lambda: chain(symm_y), warmups=1)
     nccl_y.copy_(x)
     symm_y.copy_(x)
     nccl.replay()
     symm.replay()
     torch.cuda.synchronize()
-    chain_equal = _on_every_rank(torch.equal(nccl_y, symm_y))  # each all-reduce doubles the sum: a stale read shows
+    # Each all-reduce doubles the sum: a stale read shows. (The timing replays go on doubling the values into
+    # infinities, which timing does not read.)
+    chain_equal = not tensor_parallel_runs.any_rank_failed(not torch.equal(nccl_y, symm_y))
     # Each kind timed twice, in both orders; the faster of its two passes counts.
-    t_nccl, t_symm = _replay_time(nccl, replays), _replay_time(symm, replays)
-    t_symm, t_nccl = min(t_symm, _replay_time(symm, replays)), min(t_nccl, _replay_time(nccl, replays))
+    ms_nccl, ms_symm = (tensor_parallel_runs.replay_ms(g, replays) for g in (nccl, symm))
+    ms_symm = min(ms_symm, tensor_parallel_runs.replay_ms(symm, replays))
+    ms_nccl = min(ms_nccl, tensor_parallel_runs.replay_ms(nccl, replays))
     return dict(rows=rows, hidden=hidden, dtype="bfloat16", count=count, compiled=compile_chain,
-                nccl_us=t_nccl / count * 1e6, symmetric_us=t_symm / count * 1e6, eager_equal=eager_equal,
+                nccl_us=ms_nccl / count * 1e3, symmetric_us=ms_symm / count * 1e3, eager_equal=eager_equal,
                 chain_equal=chain_equal)
 
 

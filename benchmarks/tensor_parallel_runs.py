@@ -71,16 +71,25 @@ def per_rank_peaks(record: dict) -> dict:
     return dict(per_rank_peak_memory_GiB=[p for p, _ in everyone], per_rank_memory_after_GiB=[a for _, a in everyone])
 
 
-def _graphed_ms(collectives, replays: int = 20) -> float:
-    """Mean time of `collectives` captured in one CUDA graph, as the captured steps run them (back to back, without
-    the host's launch costs), over `replays` replays after a warm-up."""
-    for _ in range(3):  # NCCL's communicators and buffers exist before the capture
-        collectives()
+def capture(run, warmups: int) -> torch.cuda.CUDAGraph:
+    """`run()` captured in a CUDA graph after `warmups` eager runs (NCCL's communicators and buffers, or a compiled
+    function's compilation, exist before the capture, as they do before a step's)."""
+    for _ in range(warmups):
+        run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        collectives()
+        run()
+    return graph
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Milliseconds per replay of `graph` on the GPU's clock (back to back, without the host's launch costs), after
+    one replay and a barrier: every rank replays in step, as the steps do (a one-shot all-reduce waits for its
+    peers)."""
     graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
@@ -88,6 +97,11 @@ def _graphed_ms(collectives, replays: int = 20) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / replays
+
+
+def _graphed_ms(collectives, replays: int = 20) -> float:
+    """Mean time of `collectives` captured in one CUDA graph, as the captured steps run them."""
+    return replay_ms(capture(collectives, warmups=3), replays)
 
 
 def forward_nccl_ms(model, batch: int, tokens: int, logits_kept: int, all_reduce=dist.all_reduce) -> float:

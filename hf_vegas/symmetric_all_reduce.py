@@ -31,7 +31,7 @@ The buffer holds the largest decode, draft or verification activation, `batch * 
 `symmetric_all_reduce_` is an op of hf_vegas, with a fake, because torch 2.11 has none for the symmetric op: a
 compiled step could not trace it (dynamo refused it in the benchmark). It declares that it writes the buffer too
 (it copies its input there first). Not yet run on a GPU inside `generate` (issue 12): the benchmark ran the op, eager,
-chained, compiled and captured, but no generation has.
+chained, compiled and captured (its records up to 689c543 through a copy of it in the script), but no generation has.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from . import tensor_parallel
 Tensor = torch.Tensor
 DTYPES = (torch.bfloat16, torch.float32)  # what the one-shot kernel sums
 OPTION = "`vegas_tp_all_reduce='symmetric_memory'`"
+_NEEDS_GROUP = f"{OPTION} replaces the all-reduces of the tensor-parallel ranks"  # (a mesh without a "tp" dimension)
 
 
 @torch.library.custom_op("hf_vegas::symmetric_all_reduce_", mutates_args=("x", "buffer"))
@@ -112,7 +113,7 @@ def buffer_for(group, numel: int, device: torch.device, dtype: torch.dtype) -> T
 
 def check(model, device: torch.device) -> None:
     """Raise before any GPU work if `model` on `device` cannot sum its all-reduces through symmetric memory."""
-    group = tensor_parallel.tp_group(model, f"{OPTION} replaces the all-reduces of the tensor-parallel ranks")
+    group = tensor_parallel.tp_group(model, _NEEDS_GROUP)
     if group is None:
         raise ValueError(f"{OPTION} replaces the all-reduces of transformers' tensor parallelism, but this model is "
                          "not sharded (load it with DistributedConfig(tp_plan='auto') under torchrun). Use 'nccl'.")
@@ -146,7 +147,7 @@ def symmetric_all_reduces(model, rows: int, device: torch.device, enabled: bool 
     if not enabled:
         yield
         return
-    group = tensor_parallel.tp_group(model, f"{OPTION} replaces the all-reduces of the tensor-parallel ranks")
+    group = tensor_parallel.tp_group(model, _NEEDS_GROUP)
     module = compat.tensor_parallel_module()
     if isinstance(module.dist, _Distributed):  # two blocks would put `dist` back out of order
         raise RuntimeError(f"{OPTION}: another generation in this process already sums through symmetric memory; "
