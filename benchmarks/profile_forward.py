@@ -5,6 +5,7 @@
     python benchmarks/profile_forward.py --random-weights --sample                          # no GGUF needed
     python benchmarks/profile_forward.py --qwen3-8b-shape --batch 4 --prompt-tokens 32768 --compile
     torchrun --nproc_per_node 2 benchmarks/profile_forward.py --qwen3-8b-shape ...   # under TP; rank 0's kernels
+    torchrun --nproc_per_node 2 benchmarks/profile_forward.py --qwen3-8b-shape --tp-all-reduce symmetric_memory ...
 
 Runs a warm-up generation (Triton compiles, graphs captured), then a second one in which the first draft (its gamma
 forwards and token choices), the first verify forward and the second iteration are each profiled on their own (one
@@ -89,6 +90,8 @@ def main() -> None:
     parser.add_argument("--trace", metavar="DIR", help="also write each profiled step as a Chrome trace into DIR")
     parser.add_argument("--tp-model-dir", type=Path, default=Path("/tmp/hf_vegas_tp_models"),
                         help="under torchrun: where the shape is saved once for every rank to load with TP")
+    parser.add_argument("--tp-all-reduce", choices=hf_vegas.config.TP_ALL_REDUCES, default="nccl",
+                        help="vegas_tp_all_reduce under torchrun (2 GPUs)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/profile_forward.py needs a CUDA GPU.")
@@ -111,7 +114,7 @@ def main() -> None:
     decoding_args = sampling if args.sample else dict(do_sample=False)
     common = dict(max_new_tokens=args.new_tokens, custom_generate="vegas", pad_token_id=0, eos_token_id=None,
                   vegas_cuda_graphs=not args.eager, vegas_compile=args.compile,
-                  vegas_fuse_projections=not args.no_fuse, **decoding_args)
+                  vegas_fuse_projections=not args.no_fuse, vegas_tp_all_reduce=args.tp_all_reduce, **decoding_args)
     if args.prefill_chunk is not None:  # only when asked: generate checks the value (a clear error for a bad one)
         common["prefill_chunk_size"] = args.prefill_chunk
 
