@@ -22,6 +22,7 @@ import torch
 from . import graphs, placement, prompt_cache, symmetric_all_reduce, tensor_parallel, validation
 from ._compat import internals as compat
 from .attention import active_cache, vegas_attention
+from .backward_hooks import backward_hooks_set_aside
 from .config import VegasConfig, resolve_config
 from .cpu_linears import weights_left_linears
 from .draft_layers import in_draft_steps
@@ -140,6 +141,7 @@ def generate(
           rotary_tables_once(model, enabled=config.compile,
                              skip=lambda: fused_layers > 0 and cache.plan.mode == "draft"),
           weights_left_linears(model, enabled=cache.eager_ops),
+          backward_hooks_set_aside(model, enabled=config.compile),
           symmetric_all_reduces(model, input_ids.shape[0] * (config.max_gamma + 1), input_ids.device, symmetric)):
         cache.selection.pool_over(group)
         loop = DecodeLoop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
