@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 import hf_vegas
 from hf_vegas import traffic
-from provenance import commit, dirty
+from provenance import commit, dirty, tree
 from results_io import append_records
 from step_timer import FirstTokenClock
 from workloads import Workload, prompts
@@ -152,7 +152,7 @@ def main() -> None:
     bandwidth = read_bandwidth()
     base = dict(device="cpu", cpu=cpu_name(), cores=os.cpu_count(), threads=args.threads, torch=torch.__version__,
                 transformers=transformers.__version__, hf_vegas=hf_vegas.__version__, commit=args.commit or commit(),
-                dirty=dirty(), python=platform.python_version(), platform=platform.platform(),
+                dirty=dirty(), tree=tree(), python=platform.python_version(), platform=platform.platform(),
                 time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 corpus=args.data_files or "python docs (pydoc_data)", text_column=args.text_column,
                 model="smollm2", dtype="float32", decoding="greedy", read_bandwidth_GBps=bandwidth / 1e9)

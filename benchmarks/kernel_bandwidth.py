@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 import hf_vegas
 from gpu_timing import copy_bandwidth, graph_time, read_bandwidth  # benchmarks/ is the script's directory
 from launch_tuning import apply_tuning
-from provenance import commit, dirty
+from provenance import commit, dirty, tree
 
 # Attention shapes of the two reference models: (query heads, KV heads, head dim, full-attention layers).
 SHAPES = {"smollm2-135m": (9, 3, 64, 30), "qwen3-8b": (32, 8, 128, 36)}
@@ -215,7 +215,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     base = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "transformers": transformers.__version__, "hf_vegas": hf_vegas.__version__,
-            "commit": args.commit or commit(), "dirty": dirty(), "dtype": args.dtype, "gamma": GAMMA,
+            "commit": args.commit or commit(), "dirty": dirty(), "tree": tree(), "dtype": args.dtype, "gamma": GAMMA,
             "sparsity": SPARSITY, "min_tokens": MIN_TOKENS, "copy_bandwidth_GBps": bandwidth / 1e9,
             "read_bandwidth_GBps": read_bandwidth() / 1e9, "tuning_overrides": overrides, "budget_boost": args.boost}
     args.out.parent.mkdir(parents=True, exist_ok=True)

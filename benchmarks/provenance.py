@@ -1,8 +1,19 @@
-"""Where a benchmark record comes from: the commit it measured (shared by the benchmark scripts)."""
+"""Where a benchmark record comes from: the commit it measured (shared by the benchmark scripts).
+
+A record names HEAD's commit, whether tracked files differ from it (`dirty`), and the hash of the working tree as
+git would commit it (`tree`: tracked and untracked files, ignored ones left out). The tree identifies what ran also
+where the checkout's git metadata is older than its files (a copy of a working tree sent to another machine): the
+commit that holds that tree is
+
+    python benchmarks/provenance.py TREE...        # prints "TREE COMMIT" for each commit whose tree it is
+"""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+import tempfile
 
 
 def commit() -> str:
@@ -25,10 +36,40 @@ def dirty() -> bool | None:
     return bool(out.strip())
 
 
+def tree() -> str | None:
+    """The working tree's git tree hash (None outside a git checkout). Built in a throwaway index, so the checkout's
+    own index is untouched; the files' blobs are written to the object store, as `git add` would."""
+    try:
+        root = subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+        with tempfile.TemporaryDirectory() as scratch:
+            env = {**os.environ, "GIT_INDEX_FILE": os.path.join(scratch, "index")}
+            subprocess.check_call(["git", "add", "-A", "."], cwd=root, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+            return subprocess.check_output(["git", "write-tree"], cwd=root, env=env, text=True,
+                                           stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def commits_of(trees: list[str]) -> list[tuple[str, str]]:
+    """(tree, short commit hash) for every commit of this repository's history whose tree is one of `trees`."""
+    log = subprocess.check_output(["git", "log", "--all", "--format=%T %h"], text=True)
+    wanted = set(trees)
+    return [tuple(line.split()) for line in log.splitlines() if line.split()[0] in wanted]
+
+
 def gpu_run(commit_arg: str | None = None, **extra) -> dict:
     """What every GPU benchmark record starts with: the GPU, the torch and Triton versions and the commit."""
     import torch
     import triton
 
     return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                commit=commit_arg or commit(), dirty=dirty(), **extra)
+                commit=commit_arg or commit(), dirty=dirty(), tree=tree(), **extra)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    for found_tree, found_commit in commits_of(sys.argv[1:]):
+        print(found_tree, found_commit)
