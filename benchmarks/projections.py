@@ -2,6 +2,7 @@
 
     python benchmarks/projections.py                  # SmolLM2-135M and Qwen3-8B layer shapes, 64 and 448 rows
     python benchmarks/projections.py --sweep --shapes smollm2-135m --rows 64   # launch settings per op
+    python benchmarks/projections.py --shapes qwen3-8b-tp2 --rows 16   # one rank's shards under TP = 2
 
 Per (model shape, rows): one layer's q/k/v projections as three `F.linear` calls (cuBLAS) against one
 `qkv_linear` launch, the gated MLP's gate/up/activation/product as three launches against one `gated_linear`, a fused
@@ -28,8 +29,10 @@ from gpu_timing import graph_time
 from provenance import gpu_run
 from results_io import append_records
 
-# (hidden, q out, kv out, intermediate): the projection shapes of one layer
-SHAPES = {"smollm2-135m": (576, 576, 192, 1536), "qwen3-8b": (4096, 4096, 1024, 12288)}
+# (hidden, q out, kv out, intermediate): the projection shapes of one layer; "qwen3-8b-tp2": one rank's shards of
+# Qwen3-8B's under tensor parallelism over 2 GPUs (column-parallel q/k/v, gate/up; row-parallel output, down)
+SHAPES = {"smollm2-135m": (576, 576, 192, 1536), "qwen3-8b": (4096, 4096, 1024, 12288),
+          "qwen3-8b-tp2": (4096, 2048, 512, 6144)}
 L2_FLUSH_BYTES = 256 << 20
 
 
@@ -62,7 +65,7 @@ def measure(shape: str, rows: int) -> dict:
 
     # A fused draft layer's q/k/v + rotary + cache write in one launch (two before, with
     # `qkv_linear`: 5.9 against 4.9 us at commit c911040).
-    head_dim = 128 if shape == "qwen3-8b" else 64
+    head_dim = 128 if shape.startswith("qwen3-8b") else 64
     q_heads, kv_heads = q_out // head_dim, kv_out // head_dim
     k_cache, v_cache = (torch.zeros(rows, 64, kv_heads, head_dim, **bf16) for _ in range(2))
     slots = torch.arange(rows, device="cuda")[:, None] % 64
@@ -114,7 +117,7 @@ def sweep(shape: str, rows: int, only: list[str] | None = None, grid: dict | Non
         return n, [[torch.randn(o, k, **bf16) / 32 for o in outs] for _ in range(n)]
 
     x, x_inter = torch.randn(rows, hidden, **bf16), torch.randn(rows, inter, **bf16)
-    head_dim = 128 if shape == "qwen3-8b" else 64
+    head_dim = 128 if shape.startswith("qwen3-8b") else 64
     angles = torch.rand(rows, 1, head_dim, device="cuda")
     rope = (angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16),
             *(torch.zeros(rows, 64, kv_out // head_dim, head_dim, **bf16) for _ in range(2)),

@@ -122,7 +122,9 @@ def layer_parts(layer) -> _Parts | None:
         return None
     q, k, v, o = (getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
     act = _gated_mlp_activation(mlp)
-    if act is None or not _plain_linears(q, k, v) or len({p.bias is None for p in (q, k, v)}) != 1:
+    if act is None or not _plain_linears(q, k, v, mlp.gate_proj, mlp.up_proj):
+        return None
+    if len({p.bias is None for p in (q, k, v)}) != 1:
         return None
     if not (_plain_linears(o) and _plain_linears(mlp.down_proj)) or o.bias is not None:
         return None
@@ -145,7 +147,8 @@ def layer_parts(layer) -> _Parts | None:
         eps_in=norms[0].variance_epsilon, o_weight=o.weight, gate=mlp.gate_proj.weight, up=mlp.up_proj.weight,
         down=mlp.down_proj.weight, act=act, norm_post=norms[1].weight, eps_post=norms[1].variance_epsilon,
         q_heads=q.out_features // head_dim, kv_heads=k.out_features // head_dim, head_dim=head_dim,
-        scaling=attn.scaling, max_rows=min(_max_rows(q, k, v), _max_rows(mlp.gate_proj, mlp.up_proj)),
+        scaling=attn.scaling,
+        max_rows=min(_max_rows(q.weight, k.weight, v.weight), _max_rows(mlp.gate_proj.weight, mlp.up_proj.weight)),
         fold_norms=q.weight.dtype != torch.float16 and linear.block_n_for(o.out_features) is not None,
     )
 

@@ -8,8 +8,13 @@ MLP (`down(act(gate(x)) * up(x))`) computes `act(gate) * up` in one kernel. The 
 cuBLAS, which a draft may (it only decides how many tokens are accepted, never which), but the verification and
 dense steps, whose logits pick the tokens, must not: they keep the model's own projections.
 
+Under transformers' tensor parallelism (`tp_plan="auto"`) q/k/v and gate/up are column-parallel: each rank computes
+its own output columns from its shard of the weights, and the kernels do the same from the same shards (the
+row-parallel output and down projections keep their forward, which sums the ranks' partial products).
+
 The weights are read where they are (no fused copy, no extra memory) and the model is changed only by instance-level
-`forward` attributes, removed when the block exits, also on an exception. Forwards of more rows than `MAX_ROWS` keep
+`forward` attributes, put back as they were when the block exits (none, or transformers' tensor-parallel forward),
+also on an exception. Forwards of more rows than `MAX_ROWS` keep
 cuBLAS, which is faster there; so do forwards of more than a few rows (`LARGE_WEIGHT_MAX_ROWS`) through weights
 large enough for cuBLAS to reach the bandwidth (`MAX_WEIGHT_BYTES`), inputs `nn.Linear` would cast or refuse, and
 modules with hooks or unknown shapes.
@@ -22,8 +27,8 @@ import inspect
 
 import torch
 from torch import nn
-from torch.nn.functional import linear
 
+from ._compat import internals as compat
 from .ops import backend
 
 # Rows (tokens x batch) up to which a draft forward uses the fused kernels (a draft's rows are its batch).
@@ -47,20 +52,39 @@ _ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh
                 "GELUPytorchTanh": "gelu_tanh"}
 
 
+def _linear_parts(*modules) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+    """The (weight, bias) each projection's kernel reads, or None if one of `modules` is not a projection the kernels
+    can run. A projection is exactly `nn.Linear` (no subclass: quantised layers) without hooks, and either has no
+    forward of its own (its weight and bias) or is transformers' column-parallel linear under tensor parallelism (its
+    rank's shard, `compat.column_parallel_shard`: the output columns its own forward computes), all of one kind, with
+    one dtype, device and input width, and weights (and biases) whose rows are contiguous, as the kernels read them."""
+    parts, sharded = [], set()
+    for m in modules:
+        if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
+            return None
+        shard = compat.column_parallel_shard(m) if "forward" in vars(m) else (m.weight, m.bias)
+        if shard is None:
+            return None
+        sharded.add("forward" in vars(m))
+        parts.append(shard)
+    if len(sharded) != 1 or len({(w.dtype, w.device, w.shape[-1]) for w, _ in parts}) != 1:
+        return None
+    if any(w.dim() != 2 or w.stride(-1) != 1 or (b is not None and b.stride(-1) != 1) for w, b in parts):
+        return None
+    return parts
+
+
 def _plain_linears(*modules) -> bool:
-    """Exactly `nn.Linear` (no subclass: quantised layers), no hooks, no forward of their own, one dtype/device, and
-    weights (and biases) whose rows are contiguous, as the kernels read them."""
-    return all(
-        type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks and "forward" not in vars(m)
-        and m.weight.stride(-1) == 1 and (m.bias is None or m.bias.stride(-1) == 1)
-        for m in modules
-    ) and len({(m.weight.dtype, m.weight.device, m.in_features) for m in modules}) == 1
+    """`_linear_parts` without tensor parallelism: plain `nn.Linear`s whose weights are whole (the fused draft layers
+    also fold the row-parallel projections, which under TP sum over the ranks)."""
+    return _linear_parts(*modules) is not None and all("forward" not in vars(m) for m in modules)
 
 
-def _max_rows(*linears) -> int:
-    """The most rows a forward may have for these projections to run as one kernel: all draft-sized forwards for
-    small weights, only the smallest for weights that cuBLAS reads at full bandwidth from a few more rows on."""
-    small = sum(m.weight.numel() * m.weight.element_size() for m in linears) <= MAX_WEIGHT_BYTES
+def _max_rows(*weights) -> int:
+    """The most rows a forward may have for projections of these weights to run as one kernel: all draft-sized
+    forwards for small weights, only the smallest for weights that cuBLAS reads at full bandwidth from a few more
+    rows on."""
+    small = sum(w.numel() * w.element_size() for w in weights) <= MAX_WEIGHT_BYTES
     return MAX_ROWS if small else LARGE_WEIGHT_MAX_ROWS
 
 
@@ -73,51 +97,56 @@ def _use_kernel(x: torch.Tensor, weight: torch.Tensor, active, max_rows: int) ->
 
 
 class _FusedQKV:
-    """The forwards that replace `q_proj`, `k_proj`, `v_proj` of one attention module."""
+    """The forwards that replace `q_proj`, `k_proj`, `v_proj` of one attention module. Outside draft-sized steps
+    each projection runs the forward it had (its class's, or under TP transformers' column-parallel one)."""
 
-    def __init__(self, q, k, v, op, active):
-        self.q, self.k, self.v, self.op, self.active = q, k, v, op, active
-        self.max_rows = _max_rows(q, k, v)
-        self.split = (q.out_features, q.out_features + k.out_features)
+    def __init__(self, projections, parts, op, active):
+        self.own = [m.forward for m in projections]
+        (self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv) = parts
+        self.op, self.active = op, active
+        self.max_rows = _max_rows(self.wq, self.wk, self.wv)
+        self.split = (self.wq.shape[0], self.wq.shape[0] + self.wk.shape[0])
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, fused output) until v reads it
 
     def q_forward(self, x):
-        if not _use_kernel(x, self.q.weight, self.active, self.max_rows):
-            return linear(x, self.q.weight, self.q.bias)
-        fused = self.op(x, self.q.weight, self.k.weight, self.v.weight, self.q.bias, self.k.bias, self.v.bias)
+        if not _use_kernel(x, self.wq, self.active, self.max_rows):
+            return self.own[0](x)
+        fused = self.op(x, self.wq, self.wk, self.wv, self.bq, self.bk, self.bv)
         self.pending = (x, fused)
         return fused[..., : self.split[0]]
 
     def k_forward(self, x):
         if self.pending is not None and self.pending[0] is x:
             return self.pending[1][..., self.split[0] : self.split[1]]
-        return linear(x, self.k.weight, self.k.bias)
+        return self.own[1](x)
 
     def v_forward(self, x):
         if self.pending is not None and self.pending[0] is x:
             out, self.pending = self.pending[1][..., self.split[1] :], None
             return out
-        return linear(x, self.v.weight, self.v.bias)
+        return self.own[2](x)
 
 
-def _fuse_attention(module, kernels, active) -> list[nn.Module] | None:
+def _fuse_attention(module, kernels, active) -> list[tuple[nn.Module, object]] | None:
     projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-    if not _plain_linears(*projections) or len({p.bias is None for p in projections}) != 1:
+    parts = None if None in projections else _linear_parts(*projections)
+    if parts is None or len({b is None for _, b in parts}) != 1:
         return None
-    if kernels.linear.block_n_for(*(p.out_features for p in projections)) is None:
+    if kernels.linear.block_n_for(*(w.shape[0] for w, _ in parts)) is None:
         return None
-    fused = _FusedQKV(*projections, kernels.qkv_linear, active)
+    fused = _FusedQKV(projections, parts, kernels.qkv_linear, active)
+    patched = [(projection, vars(projection).get("forward")) for projection in projections]
     for projection, forward in zip(projections, (fused.q_forward, fused.k_forward, fused.v_forward)):
         projection.forward = forward
-    return projections
+    return patched
 
 
 def _gated_mlp_activation(module) -> str | None:
     """The activation name if `module` is a standard gated MLP the kernel can run, else None."""
-    parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    if not _plain_linears(*parts[:2]) or parts[0].bias is not None or parts[1].bias is not None:
+    parts = _gate_up(module)
+    if parts is None or parts[0][1] is not None or parts[1][1] is not None:
         return None
-    if parts[0].out_features != parts[1].out_features or "forward" in vars(module):
+    if parts[0][0].shape[0] != parts[1][0].shape[0] or "forward" in vars(module):
         return None
     try:
         source = "".join(inspect.getsource(type(module).forward).split())
@@ -128,20 +157,29 @@ def _gated_mlp_activation(module) -> str | None:
     return _ACTIVATIONS.get(type(getattr(module, "act_fn", None)).__name__)
 
 
-def _fuse_mlp(module, kernels, active) -> list[nn.Module] | None:
+def _gate_up(module):
+    """The (weight, bias) pairs of `module`'s gate and up projections (`_linear_parts`), or None."""
+    projections = [getattr(module, name, None) for name in ("gate_proj", "up_proj")]
+    return None if None in projections else _linear_parts(*projections)
+
+
+def _fuse_mlp(module, kernels, active) -> list[tuple[nn.Module, object]] | None:
     act = _gated_mlp_activation(module)
-    if act is None or kernels.linear.block_n_for(module.gate_proj.out_features) is None:
+    if act is None:
+        return None
+    (gate, _), (up, _) = _gate_up(module)
+    if kernels.linear.block_n_for(gate.shape[0]) is None:
         return None
     standard = type(module).forward
-    max_rows = _max_rows(module.gate_proj, module.up_proj)
+    max_rows = _max_rows(gate, up)
 
-    def forward(x):
-        if not _use_kernel(x, module.gate_proj.weight, active, max_rows):
+    def forward(x):  # (under TP, `down_proj`'s own forward sums the ranks' partial products)
+        if not _use_kernel(x, gate, active, max_rows):
             return standard(module, x)
-        return module.down_proj(kernels.gated_linear_op(x, module.gate_proj.weight, module.up_proj.weight, act))
+        return module.down_proj(kernels.gated_linear_op(x, gate, up, act))
 
     module.forward = forward
-    return [module]
+    return [(module, None)]
 
 
 @contextlib.contextmanager
@@ -152,7 +190,7 @@ def fused_projections(model, active=lambda: True):
     Yields the number of attention modules and MLPs fused.
     """
     kernels = backend.kernels()
-    patched: list[nn.Module] = []
+    patched: list[tuple[nn.Module, object]] = []  # (module, the forward attribute it had, or None)
     counts = {"attention": 0, "mlp": 0}
     # Only the language model's layers run in draft steps (a multimodal class's vision tower never does).
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
@@ -165,5 +203,8 @@ def fused_projections(model, active=lambda: True):
                     counts[kind] += 1
         yield counts
     finally:
-        for module in patched:
-            del module.forward  # the class's forward again
+        for module, own in patched:
+            if own is None:
+                del module.forward  # the class's forward again
+            else:
+                module.forward = own  # e.g. transformers' tensor-parallel forward

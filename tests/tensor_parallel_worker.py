@@ -5,7 +5,8 @@
 On a machine with GPUs each rank takes one (NCCL); else the CPU (gloo). Loads the tiny model in MODEL_DIR under
 transformers' tensor parallelism (`tp_plan="auto"`: each rank holds its
 share of the attention heads), runs vanilla greedy `generate`, Vegas greedy and Vegas sampling on a ragged batch
-(and greedy with the row-parallel sums through symmetric memory, which the CPU refuses), and writes what the test
+(and greedy with the row-parallel sums through symmetric memory, which the CPU refuses; and greedy on the Triton
+backend, whose drafts fuse the column-parallel projections of each rank's shards), and writes what the test
 checks to OUT_DIR/rank<r>.json.
 """
 
@@ -23,6 +24,7 @@ from transformers import AutoModelForCausalLM, DistributedConfig
 import hf_vegas  # registers the short name "vegas"
 from hf_vegas import symmetric_all_reduce
 from hf_vegas._compat.internals import CACHE_KEYWORD
+from hf_vegas.backward_hooks import backward_hooks_set_aside
 
 VEGAS = dict(custom_generate="vegas", vegas_gamma=3, vegas_sparsity=0.2, vegas_min_tokens=8)
 
@@ -61,6 +63,8 @@ def main(model_dir: str, out_dir: str) -> None:
         backend=cache.backend, graphs=hf_vegas.graphs.pooled_graphs(model) is not None,
     )
     result["symmetric"] = _symmetric_memory_run(model, ids, common)
+    result["fused"] = _fused_projections_run(model, ids, common)
+    result["traced"] = _compiled_trace(model, ids)
     if rank == 0:  # the same generation with the whole model on one device: whose selection "all" must reproduce
         whole = AutoModelForCausalLM.from_pretrained(model_dir).to(model.device)
         single = whole.generate(ids, **common, do_sample=False, return_dict_in_generate=True, **VEGAS)
@@ -71,6 +75,52 @@ def main(model_dir: str, out_dir: str) -> None:
     # both results and then did not exit within 120 s, past the one rank's early destroy_process_group).
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _compiled_trace(model, ids) -> dict:
+    """How dynamo traces a forward of the sharded model while a compiled generation has its backward hooks set aside
+    (transformers 5.17's tensor parallelism hooks the replicated norms; each hook would break the graph)."""
+    def explain():
+        torch._dynamo.reset()
+        return torch._dynamo.explain(lambda x: model(x, use_cache=False).logits)(ids[:, :8])
+
+    with torch.no_grad():
+        hooked = explain()
+        with backward_hooks_set_aside(model) as aside:
+            explained = explain()
+    torch._dynamo.reset()
+    return dict(hooks_set_aside=aside, graph_breaks=explained.graph_break_count,
+                graph_breaks_with_hooks=hooked.graph_break_count,
+                reasons=[str(reason.reason)[:300] for reason in explained.break_reasons[:3]])
+
+
+def _fused_projections_run(model, ids, common) -> dict:
+    """Vegas greedy on the Triton backend (on the CPU in Triton's interpreter), whose draft steps run each attention's
+    column-parallel q/k/v and each MLP's gate/up as one kernel over this rank's shards: how many times each kernel ran
+    (counted as the steps run eagerly and are captured), and whether every projection has its tensor-parallel forward
+    back afterwards."""
+    import hf_vegas_kernels
+
+    owns = {name: vars(module).get("forward") for name, module in model.named_modules()}
+    calls = {"qkv_linear": 0, "gated_linear_op": 0}
+    originals = {name: getattr(hf_vegas_kernels, name) for name in calls}
+
+    def counted(name):
+        def kernel(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return kernel
+
+    for name in calls:
+        setattr(hf_vegas_kernels, name, counted(name))
+    try:
+        out = model.generate(ids, **common, do_sample=False, **VEGAS, vegas_backend="triton")
+    finally:
+        for name, kernel in originals.items():
+            setattr(hf_vegas_kernels, name, kernel)
+    restored = all(vars(module).get("forward") is owns[name] for name, module in model.named_modules())
+    return dict(greedy=out.tolist(), calls=calls, restored=restored,
+                tensor_parallel_forwards=sum(own is not None for own in owns.values()))
 
 
 def _symmetric_memory_run(model, ids, common) -> dict:

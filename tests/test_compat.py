@@ -293,3 +293,19 @@ def test_readme_and_pyproject_declare_the_checked_range():
     for document in ("README.md", "pyproject.toml"):
         text = (root / document).read_text()
         assert low in text and high in text, f"{document} does not name the checked transformers {CHECKED}"
+
+
+def test_column_parallel_shard_takes_only_transformers_column_parallel_forward():
+    """`compat.column_parallel_shard` reads `TensorParallelLayer.install_forward`'s closure; its positive case needs
+    two ranks (`tests/test_tensor_parallel.py` counts the fused kernels over the shards). Here: what it must refuse."""
+    linear = torch.nn.Linear(8, 4)
+    assert compat.column_parallel_shard(linear) is None, "a plain linear has no shard"
+
+    def tp_forward(x):  # the name alone, with no tensor-parallel style in its closure
+        return x
+
+    linear.forward = tp_forward
+    assert compat.column_parallel_shard(linear) is None
+    row = torch.nn.Linear(8, 4)
+    row.forward = lambda x, _row=row: torch.nn.functional.linear(x, _row.weight)
+    assert compat.column_parallel_shard(row) is None

@@ -69,6 +69,21 @@ def test_tensor_parallel_ranks_give_vanilla_greedy_and_agree_when_sampling(arch,
             assert symmetric["symmetric_calls"] > 0, "no all-reduce went through symmetric memory"
         else:
             assert "needs CUDA devices" in symmetric["error"] and symmetric["symmetric_calls"] == 0
+    # Draft steps on the Triton backend run each rank's column-parallel q/k/v and gate/up as one kernel over its
+    # shards; greedy stays vanilla's, and the projections get transformers' tensor-parallel forwards back.
+    for rank in ranks:
+        fused = rank["fused"]
+        assert fused["greedy"] == rank["vanilla"]
+        assert fused["calls"]["qkv_linear"] > 0 and fused["calls"]["gated_linear_op"] > 0, fused["calls"]
+        assert fused["restored"] and fused["tensor_parallel_forwards"] > 0
+    # A compiled step traces the sharded forward whole: with the backward hooks that transformers 5.17 puts on the
+    # replicated norms (Gemma-3's q/k norms) set aside, as a compiled generation does, dynamo breaks no graph.
+    for rank in ranks:
+        traced = rank["traced"]
+        assert traced["graph_breaks"] == 0, traced["reasons"]
+        if traced["hooks_set_aside"]:  # (transformers 5.17) and with them, it would
+            assert traced["graph_breaks_with_hooks"] >= traced["hooks_set_aside"], traced
+    print(arch, "backward hooks set aside per rank:", [rank["traced"]["hooks_set_aside"] for rank in ranks])
 
 
 def test_on_one_device_all_heads_are_the_local_heads():

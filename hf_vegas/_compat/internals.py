@@ -169,3 +169,35 @@ def tensor_parallel_module():
     if not hasattr(module, "dist"):
         raise changed("transformers.distributed.tensor_parallel.dist", "the module no longer names torch.distributed")
     return module
+
+
+def column_parallel_shard(linear) -> tuple | None:
+    """(weight, bias) of this rank's shard if `linear` is an `nn.Linear` that transformers' tensor parallelism made
+    column-parallel with a local, column-sharded output (`ColwiseParallel`, exactly: replicated input, output
+    `Shard(-1)` handed on as a plain tensor), else None.
+
+    Such a layer's `forward` is an instance attribute, `TensorParallelLayer.install_forward`'s `tp_forward`, a closure
+    over the layer style (`self`) and the module (5.17.0 and 5.24.0). Without gradients and on a plain input it is
+    `F.linear` with the local weight and bias (`ColwiseParallel`'s "inference fast path"), whose output columns are
+    this rank's: the same product a kernel computes from the shard."""
+    forward = vars(linear).get("forward")
+    code = getattr(forward, "__code__", None)
+    if code is None or code.co_name != "tp_forward" or forward.__closure__ is None:
+        return None
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from transformers.distributed.tensor_parallel import ColwiseParallel
+    except ImportError:
+        return None
+    captured = dict(zip(code.co_freevars, (cell.cell_contents for cell in forward.__closure__)))
+    style = captured.get("self")
+    if type(style) is not ColwiseParallel or captured.get("module") is not linear or not style.use_local_output:
+        return None
+    if style.input_layouts != Replicate() or style.output_layouts != Shard(-1):
+        return None
+    weight, bias = linear.weight, linear.bias
+    if not isinstance(weight, DTensor) or weight.placements != (Shard(0),):
+        return None
+    if bias is not None and (not isinstance(bias, DTensor) or bias.placements != (Shard(0),)):
+        return None
+    return weight.to_local(), None if bias is None else bias.to_local()
