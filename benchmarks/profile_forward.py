@@ -6,6 +6,7 @@
     python benchmarks/profile_forward.py --qwen3-8b-shape --batch 4 --prompt-tokens 32768 --compile
     torchrun --nproc_per_node 2 benchmarks/profile_forward.py --qwen3-8b-shape ...   # under TP; rank 0's kernels
     torchrun --nproc_per_node 2 benchmarks/profile_forward.py --qwen3-8b-shape --tp-all-reduce symmetric_memory ...
+    ... --vegas-only                              # no dense generations, no memory comparison: a third of the time
 
 Runs a warm-up generation (Triton compiles, graphs captured), then a second one in which the first draft (its gamma
 forwards and token choices), the first verify forward and the second iteration are each profiled on their own (one
@@ -90,6 +91,9 @@ def main() -> None:
     parser.add_argument("--trace", metavar="DIR", help="also write each profiled step as a Chrome trace into DIR")
     parser.add_argument("--tp-model-dir", type=Path, default=Path("/tmp/hf_vegas_tp_models"),
                         help="under torchrun: where the shape is saved once for every rank to load with TP")
+    parser.add_argument("--vegas-only", action="store_true",
+                        help="skip the dense generations and the memory comparison: one warm-up and the profiled "
+                             "Vegas generation (a TP profile of the Qwen3-8B shape then fits a 5-minute budget)")
     parser.add_argument("--tp-all-reduce", choices=hf_vegas.config.TP_ALL_REDUCES, default="nccl",
                         help="vegas_tp_all_reduce under torchrun (2 GPUs)")
     args = parser.parse_args()
@@ -120,8 +124,12 @@ def main() -> None:
 
     peaks = {}
     for name, gamma in (("dense", 0), ("vegas", 6)):
+        if args.vegas_only and name == "dense":
+            continue
         torch.manual_seed(0)  # (under TP every rank draws the same tokens)
         model.generate(ids, **common, vegas_gamma=gamma)  # warm-up: compile, capture
+        if args.vegas_only:
+            break
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -181,8 +189,9 @@ def main() -> None:
         steps = hf_vegas.graphs.pooled_graphs(model)  # a failed capture runs eagerly: the header must say so
         ran_eagerly = "not pooled" if steps is None else steps.disabled_reason
         hf_vegas.release_graphs(model)
-        torch.manual_seed(0)
-        model.generate(ids, **common, vegas_gamma=0)  # a dense step, for comparison with the verification
+        if not args.vegas_only:
+            torch.manual_seed(0)
+            model.generate(ids, **common, vegas_gamma=0)  # a dense step, for comparison with the verification
     finally:
         StepRunner.draft, StepRunner.verify, StepRunner.prefill = original_draft, original_verify, original_prefill
         StepRunner.decode = original_decode
@@ -195,7 +204,7 @@ def main() -> None:
           f"{'' if args.no_fuse else ', fused projections'}")
     if not args.eager and ran_eagerly:
         print(f"BUT the Vegas steps ran eagerly: {ran_eagerly}")
-    for kind in ("draft", "verify", "iteration", "decode"):
+    for kind in ("draft", "verify", "iteration") + (() if args.vegas_only else ("decode",)):
         print(f"\n== one {kind}{' (gamma = 6 forwards and token choices)' if kind == 'draft' else ''}"
               f"{' (a dense step, gamma = 0)' if kind == 'decode' else ''}:")
         print(kernel_table(profiles[kind], args.top, args.sequence))
