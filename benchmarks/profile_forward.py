@@ -140,7 +140,8 @@ def main() -> None:
         if name == "dense":
             hf_vegas.release_graphs(model)
 
-    # Profile one step of each kind in a third Vegas generation, and the peak memory of each step kind.
+    # Profile one step of each kind in a later Vegas generation (the third; the second with --vegas-only), and the
+    # peak memory of each step kind.
     original_verify, original_draft, original_iterate = StepRunner.verify, StepRunner.draft, loop.DecodeLoop._iterate
     original_prefill = StepRunner.prefill
     profiles, step_peaks, calls = {}, defaultdict(float), defaultdict(int)
@@ -212,6 +213,8 @@ def main() -> None:
             Path(args.trace).mkdir(parents=True, exist_ok=True)
             profiles[kind].export_chrome_trace(str(Path(args.trace) / f"{kind}.json"))
     print("\npeak memory per step kind (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in step_peaks.items()))
+    if args.vegas_only:
+        print("(--vegas-only: no whole-generation peaks, no dense step)")
     for name, (base, peak) in peaks.items():
         print(f"{name:>6} generation: {base / GiB:.2f} GiB allocated before, peak {peak / GiB:.2f} GiB")
 

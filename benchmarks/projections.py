@@ -2,7 +2,9 @@
 
     python benchmarks/projections.py                  # SmolLM2-135M and Qwen3-8B layer shapes, 64 and 448 rows
     python benchmarks/projections.py --sweep --shapes smollm2-135m --rows 64   # launch settings per op
-    python benchmarks/projections.py --shapes qwen3-8b-tp2 --rows 16   # one rank's shards under TP = 2
+    python benchmarks/projections.py --shapes qwen3-8b-tp2 --rows 16   # one rank's shards under TP = 2 (only its
+                                                                       # q/k/v and gate/up rows apply: under TP the
+                                                                       # fused draft layers stay off)
 
 Per (model shape, rows): one layer's q/k/v projections as three `F.linear` calls (cuBLAS) against one
 `qkv_linear` launch, the gated MLP's gate/up/activation/product as three launches against one `gated_linear`, a fused

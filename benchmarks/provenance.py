@@ -11,6 +11,7 @@ commit that holds that tree is
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,13 +38,19 @@ def dirty() -> bool | None:
 
 
 def tree() -> str | None:
-    """The working tree's git tree hash (None outside a git checkout). Built in a throwaway index, so the checkout's
-    own index is untouched; the files' blobs are written to the object store, as `git add` would."""
+    """The working tree's git tree hash (None outside a git checkout). Built in a throwaway copy of the checkout's
+    index (tracked files stay in even where an ignore rule matches them; the own index is untouched), updated with
+    every change and untracked file as `git add -A` would; the files' blobs are written to the object store. (A copy
+    that changed a file's mode, as the executable bit of `.ci/run`, hashes differently.)"""
     try:
         root = subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
+        index = subprocess.check_output(["git", "rev-parse", "--path-format=absolute", "--git-path", "index"],
+                                        cwd=root, text=True, stderr=subprocess.DEVNULL).strip()
         with tempfile.TemporaryDirectory() as scratch:
             env = {**os.environ, "GIT_INDEX_FILE": os.path.join(scratch, "index")}
+            if os.path.exists(index):
+                shutil.copyfile(index, env["GIT_INDEX_FILE"])
             subprocess.check_call(["git", "add", "-A", "."], cwd=root, env=env, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
             return subprocess.check_output(["git", "write-tree"], cwd=root, env=env, text=True,
@@ -53,8 +60,8 @@ def tree() -> str | None:
 
 
 def commits_of(trees: list[str]) -> list[tuple[str, str]]:
-    """(tree, short commit hash) for every commit of this repository's history whose tree is one of `trees`."""
-    log = subprocess.check_output(["git", "log", "--all", "--format=%T %h"], text=True)
+    """(tree, commit hash) for every commit of this repository's history whose tree is one of `trees`."""
+    log = subprocess.check_output(["git", "log", "--all", "--format=%T %H"], text=True)
     wanted = set(trees)
     return [tuple(line.split()) for line in log.splitlines() if line.split()[0] in wanted]
 

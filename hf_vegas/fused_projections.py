@@ -63,7 +63,7 @@ def _linear_parts(*modules) -> list[tuple[torch.Tensor, torch.Tensor | None]] | 
         if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
             return None
         shard = compat.column_parallel_shard(m) if "forward" in vars(m) else (m.weight, m.bias)
-        if shard is None:
+        if shard is None or any(_distributed(t) for t in shard):  # (a sharded weight its own forward would gather)
             return None
         sharded.add("forward" in vars(m))
         parts.append(shard)
@@ -72,6 +72,15 @@ def _linear_parts(*modules) -> list[tuple[torch.Tensor, torch.Tensor | None]] | 
     if any(w.dim() != 2 or w.stride(-1) != 1 or (b is not None and b.stride(-1) != 1) for w, b in parts):
         return None
     return parts
+
+
+def _distributed(tensor) -> bool:
+    """A `DTensor` (a kernel must read a plain tensor: the whole weight, or this rank's shard)."""
+    if tensor is None or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _plain_linears(*modules) -> bool:

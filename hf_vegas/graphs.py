@@ -284,8 +284,14 @@ def pooled_cache(model) -> VegasCache | None:
 
 
 def _weights_fingerprint(model) -> tuple[int, ...]:
-    """Addresses of every parameter and buffer: graphs read them, so moved weights (`.to`, reloading) need new ones."""
-    return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+    """Addresses of every parameter and buffer: graphs read them, so moved weights (`.to`, reloading) need new ones.
+    Under tensor parallelism a parameter is a `DTensor`, whose own `data_ptr()` is 0: its rank's shard is read."""
+    return tuple(_local(t).data_ptr() for t in (*model.parameters(), *model.buffers()))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)  # a DTensor (torch.distributed.tensor)
+    return to_local() if to_local is not None else tensor
 
 
 def release_graphs(model=None) -> None:

@@ -119,7 +119,20 @@ def _fused_projections_run(model, ids, common) -> dict:
         for name, kernel in originals.items():
             setattr(hf_vegas_kernels, name, kernel)
     restored = all(vars(module).get("forward") is owns[name] for name, module in model.named_modules())
-    return dict(greedy=out.tolist(), calls=calls, restored=restored,
+    # The kernels' products are the ones transformers' forwards compute from the same shards (a wrong slice or a
+    # dropped bias would only lower the acceptance above, never change a token).
+    from hf_vegas.fused_projections import fused_projections
+
+    layer = model.model.layers[0]
+    modules = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp)
+    x = torch.randn(3, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(model.device,
+                                                                                                model.dtype)
+    with torch.no_grad():
+        expected = [module(x) for module in modules]
+        with fused_projections(model):
+            fused = [module(x) for module in modules]
+    error = max((a.float() - b.float()).abs().max().item() for a, b in zip(fused, expected))
+    return dict(greedy=out.tolist(), calls=calls, restored=restored, projection_error=error,
                 tensor_parallel_forwards=sum(own is not None for own in owns.values()))
 
 

@@ -43,8 +43,23 @@ def test_the_tree_of_a_copy_with_old_git_metadata_names_the_commit_that_holds_it
     assert _git(repo, "status", "--porcelain") == "M a.py\n?? b.py", "the own index is untouched"
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "second")
-    later = _git(repo, "rev-parse", "--short", "HEAD")
+    later = _git(repo, "rev-parse", "HEAD")
     assert provenance.commits_of([copied_tree]) == [(copied_tree, later)]
+
+
+def test_a_tracked_file_an_ignore_rule_matches_stays_in_the_tree(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    (repo / "data").mkdir(parents=True)
+    _git(repo, "init", "-q")
+    (repo / ".gitignore").write_text("data/\n")
+    (repo / "data" / "keep.json").write_text("{}")
+    _git(repo, "add", "-A")
+    _git(repo, "add", "-f", "data/keep.json")  # tracked although ignored
+    _git(repo, "commit", "-qm", "first")
+    monkeypatch.chdir(repo)
+    assert provenance.tree() == _git(repo, "rev-parse", "HEAD^{tree}")
+    (repo / "data" / "keep.json").unlink()  # and its deletion counts
+    assert provenance.tree() != _git(repo, "rev-parse", "HEAD^{tree}")
 
 
 def test_outside_a_checkout_the_tree_is_unknown(tmp_path, monkeypatch):

@@ -295,9 +295,58 @@ def test_readme_and_pyproject_declare_the_checked_range():
         assert low in text and high in text, f"{document} does not name the checked transformers {CHECKED}"
 
 
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("this torch build has no torch.distributed gloo backend")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _parallel_linear(style, mesh, bias=True):
+    """An `nn.Linear` sharded and given its forward by one of transformers' tensor-parallel styles, as
+    `from_pretrained(..., tp_plan="auto")` does (`shard_param`, then `install_forward`)."""
+    linear = torch.nn.Linear(8, 4, bias=bias)
+    for name in ("weight", "bias") if bias else ("weight",):
+        style.shard_param(linear, name, mesh)
+    style.install_forward(linear, mesh)
+    return linear
+
+
+def test_column_parallel_shard_is_the_shard_transformers_column_parallel_forward_computes_with(one_rank_mesh):
+    name = "TensorParallelLayer.install_forward (tp_forward's closure) and ColwiseParallel"
+    from torch.distributed.tensor import Replicate
+    from transformers.distributed.tensor_parallel import ColwiseParallel, RowwiseParallel
+
+    linear = _parallel_linear(ColwiseParallel(), one_rank_mesh)
+    shard = compat.column_parallel_shard(linear)
+    assert shard is not None, changed(name, "no longer gives a column-parallel linear's shard")
+    weight, bias = shard
+    assert type(weight) is not type(linear.weight) and weight.shape == (4, 8) and bias.shape == (4,)
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():  # the forward's inference path is F.linear with the shard: the product the kernels compute
+        torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias))
+    assert compat.column_parallel_shard(_parallel_linear(ColwiseParallel(), one_rank_mesh, bias=False))[1] is None
+    # Styles whose output is not this rank's columns as a plain tensor: no shard.
+    for style in (RowwiseParallel(), ColwiseParallel(output_layouts=Replicate()),
+                  ColwiseParallel(use_local_output=False)):
+        assert compat.column_parallel_shard(_parallel_linear(style, one_rank_mesh)) is None, type(style).__name__
+    # The forward must wrap nn.Linear's own: one installed before transformers' is code the kernel would skip.
+    wrapped = torch.nn.Linear(8, 4)
+    wrapped.forward = lambda x, _wrapped=wrapped: torch.nn.functional.linear(x, _wrapped.weight) * 2
+    ColwiseParallel().shard_param(wrapped, "weight", one_rank_mesh)
+    ColwiseParallel().shard_param(wrapped, "bias", one_rank_mesh)
+    ColwiseParallel().install_forward(wrapped, one_rank_mesh)
+    assert compat.column_parallel_shard(wrapped) is None
+
+
 def test_column_parallel_shard_takes_only_transformers_column_parallel_forward():
-    """`compat.column_parallel_shard` reads `TensorParallelLayer.install_forward`'s closure; its positive case needs
-    two ranks (`tests/test_tensor_parallel.py` counts the fused kernels over the shards). Here: what it must refuse."""
+    """What it must refuse without any process group."""
     linear = torch.nn.Linear(8, 4)
     assert compat.column_parallel_shard(linear) is None, "a plain linear has no shard"
 
@@ -306,6 +355,3 @@ def test_column_parallel_shard_takes_only_transformers_column_parallel_forward()
 
     linear.forward = tp_forward
     assert compat.column_parallel_shard(linear) is None
-    row = torch.nn.Linear(8, 4)
-    row.forward = lambda x, _row=row: torch.nn.functional.linear(x, _row.weight)
-    assert compat.column_parallel_shard(row) is None

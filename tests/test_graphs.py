@@ -425,3 +425,26 @@ def test_compile_without_graphs_warns_once(caplog):
             _generate(model, ids, mask, vegas_gamma=3, vegas_compile=True, do_sample=False)
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["vegas_compile=True has no effect: CUDA graphs need a CUDA device, the model is on cpu."]
+
+
+def test_the_pool_key_reads_tensor_parallel_shards_where_their_weights_live(tmp_path):
+    """Graphs replay with the weights' addresses, so the pool is keyed by them (`_weights_fingerprint`). A `DTensor`
+    parameter (`tp_plan="auto"`) has no data pointer of its own (0): the key reads its rank's shard, so sharded
+    weights that moved (reloaded, replaced) get new graphs. CPU: one rank of gloo."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("this torch build has no torch.distributed gloo backend")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Linear(8, 4, bias=False)
+        model.weight = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 8), mesh, [Shard(0)]))
+        assert model.weight.data_ptr() == 0, "a DTensor has its own address now: this test shows nothing"
+        before = graphs._weights_fingerprint(model)
+        assert before == (model.weight.to_local().data_ptr(),) and before != (0,)
+        model.weight = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 8), mesh, [Shard(0)]))  # "reloaded"
+        assert graphs._weights_fingerprint(model) != before
+    finally:
+        torch.distributed.destroy_process_group()

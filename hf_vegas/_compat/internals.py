@@ -189,9 +189,16 @@ def column_parallel_shard(linear) -> tuple | None:
         from transformers.distributed.tensor_parallel import ColwiseParallel
     except ImportError:
         return None
-    captured = dict(zip(code.co_freevars, (cell.cell_contents for cell in forward.__closure__)))
-    style = captured.get("self")
+    try:
+        captured = dict(zip(code.co_freevars, (cell.cell_contents for cell in forward.__closure__)))
+    except ValueError:  # an empty cell
+        return None
+    style, wrapped = captured.get("self"), captured.get("original_forward")
     if type(style) is not ColwiseParallel or captured.get("module") is not linear or not style.use_local_output:
+        return None
+    # the forward it wraps must be nn.Linear's own (not another instance forward installed before it)
+    if (getattr(wrapped, "__func__", None) is not type(linear).forward
+            or getattr(wrapped, "__self__", None) is not linear):
         return None
     if style.input_layouts != Replicate() or style.output_layouts != Shard(-1):
         return None
