@@ -116,7 +116,7 @@ def main() -> None:
                                                       world_size=dist.get_world_size(), **record)])
             print(f"{rows:5d} {record['nccl_us']:8.2f} {record['symmetric_us']:12.2f} "
                   f"{str(record['eager_equal']):>12} {str(record['chain_equal']):>12}", flush=True)
-    dist.destroy_process_group()
+    tensor_parallel_runs.finish()
 
 
 if __name__ == "__main__":

@@ -197,6 +197,8 @@ def main() -> None:
         StepRunner.draft, StepRunner.verify, StepRunner.prefill = original_draft, original_verify, original_prefill
         StepRunner.decode = original_decode
         loop.DecodeLoop._iterate = original_iterate
+    if tensor_parallel_runs.world_size() > 1:
+        tensor_parallel_runs.finish()
     if not leader:
         return
 

@@ -31,6 +31,18 @@ def start() -> int:
     return dist.get_rank()
 
 
+def finish() -> None:
+    """Every rank at the end: free what hf_vegas keeps (the pooled caches and graphs, the symmetric buffers) while the
+    group is alive, then leave it together. (On 2 x H200 at 6bdac13 two runs with symmetric buffers alive had not
+    exited by their timeouts after their work was done; an NCCL-only run exited.)"""
+    import hf_vegas
+
+    hf_vegas.release_graphs()
+    torch.cuda.synchronize()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def load_sharded(name: str, max_positions: int, model_dir: Path):
     """`(model, None)`: the random-weight shape `name` sharded over the ranks. Rank 0 saves it first if `model_dir`
     holds no checkpoint (the same seeded weights as the one-GPU runs)."""

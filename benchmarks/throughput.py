@@ -369,6 +369,8 @@ def main() -> None:
             append_records(args.out, [record])
     if leader:
         print_table(records)
+    if world > 1:
+        tensor_parallel_runs.finish()
 
 
 def _add_throughput(record, model, workload, method, new_tokens, config, records, bandwidth) -> None:

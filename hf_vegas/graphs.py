@@ -42,7 +42,7 @@ import weakref
 
 import torch
 
-from . import placement, selection
+from . import placement, selection, symmetric_all_reduce
 from .cache import VegasCache, layer_types
 from .config import VegasConfig
 
@@ -301,10 +301,13 @@ def release_graphs(model=None) -> None:
     Vegas keeps them so that the next call of the same shape bucket replays without capturing again; the cache of a
     batch-64 long-context generation can be many gigabytes. Graphs replay the kernels as they were launched at
     capture: after changing the kernels' launch settings (`hf_vegas_kernels._launch`, as the benchmarks' `--tuning`
-    does), release them so that the next call captures its steps again.
+    does), release them so that the next call captures its steps again. Without `model` it also frees the buffers
+    that `vegas_tp_all_reduce="symmetric_memory"` keeps for the graphs: under tensor parallelism call it on every
+    rank before `destroy_process_group`.
     """
     if model is None:
         _POOL.clear()
+        symmetric_all_reduce.release_buffers()
     elif _POOL.pop(model, None) is None:
         return
     gc.collect()  # whatever of the released generation sits in a reference cycle (the cache itself holds none)

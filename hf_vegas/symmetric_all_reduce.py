@@ -94,9 +94,19 @@ class _Distributed:
         return torch.distributed.all_reduce(tensor, group=group, async_op=async_op, **kwargs)
 
 
-# Never freed: the CUDA graphs captured over a buffer (kept per shape bucket, `hf_vegas.graphs`) replay with its
-# address, whatever generation runs next.
+# Kept while any CUDA graph may replay over them (the graphs kept per shape bucket, `hf_vegas.graphs`, replay with
+# their addresses, whatever generation runs next): dropped only by `release_buffers`, which `hf_vegas.release_graphs()`
+# calls once it has dropped every model's graphs.
 _buffers: dict[tuple[str, torch.device, torch.dtype, int], Tensor] = {}
+
+
+def release_buffers() -> int:
+    """Drop every symmetric buffer (returns how many). Only once no captured graph that reads one remains; on every
+    rank at the same point, while the process group is alive (freeing symmetric memory may be collective), e.g.
+    before `destroy_process_group`."""
+    count = len(_buffers)
+    _buffers.clear()
+    return count
 
 
 def buffer_for(group, numel: int, device: torch.device, dtype: torch.dtype) -> Tensor:

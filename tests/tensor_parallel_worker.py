@@ -73,6 +73,7 @@ def main(model_dir: str, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     # Rank 0 ran one more generation: both ranks reach the teardown together (on 2 x H100 at 8e1468f the worker wrote
     # both results and then did not exit within 120 s, past the one rank's early destroy_process_group).
+    hf_vegas.release_graphs()  # (and the symmetric buffers) on both ranks while the group is alive
     dist.barrier()
     dist.destroy_process_group()
 

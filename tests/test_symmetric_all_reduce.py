@@ -136,3 +136,16 @@ def test_a_compiled_forward_traces_the_stand_in_whole(monkeypatch):
 
     out = torch.compile(forward, fullgraph=True, backend="aot_eager")(torch.ones(8, dtype=torch.bfloat16))
     assert seen == ["tp", "tp"] and torch.equal(out, torch.full((8,), 13.0, dtype=torch.bfloat16))
+
+
+def test_release_graphs_for_every_model_also_drops_the_buffers(monkeypatch):
+    """The symmetric buffers outlive generations (graphs kept per bucket replay with their addresses); releasing
+    every model's graphs drops them too, releasing one model's does not (another's graphs may read them)."""
+    import hf_vegas
+
+    kept = {("group", torch.device("cpu"), torch.bfloat16, 64): torch.empty(64)}
+    monkeypatch.setattr(symmetric_all_reduce, "_buffers", dict(kept))
+    hf_vegas.release_graphs(torch.nn.Linear(2, 2))  # a model with nothing pooled
+    assert symmetric_all_reduce._buffers == kept
+    hf_vegas.release_graphs()
+    assert symmetric_all_reduce._buffers == {}
