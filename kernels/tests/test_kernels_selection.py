@@ -13,10 +13,10 @@ UNTOUCHED = -7
 @pytest.fixture(params=["row in registers", "tiled passes"], autouse=True)
 def kernel_variant(request, monkeypatch):
     """Every test runs both kernels: a row held in registers (short rows) and the tiled threshold passes (long)."""
-    from hf_vegas_kernels import select
+    from hf_vegas_kernels import _launch
 
     if request.param == "tiled passes":
-        monkeypatch.setattr(select, "ROW_IN_REGISTERS", 0)
+        monkeypatch.setitem(_launch.SELECT_TUNING, "row_in_registers", 0)
     return request.param
 
 
@@ -119,3 +119,20 @@ def test_select_with_a_budget_per_layer_and_a_window():
         assert (out[2, b, : count[2, b]] >= cand_start[2, b]).all(), "a window's selection stays in the window"
     with pytest.raises(ValueError, match="count must be"):
         kernels.select_topk(scores, count[:, :1], cand_end, out)
+
+
+def test_a_row_longer_than_16k_held_in_registers_selects_what_the_tiled_passes_do(monkeypatch):
+    """`_launch.SELECT_TUNING["row_in_registers"]` raised past 16K slots (a 32K block on 32 warps on the GPU): the
+    same slots, ties included, as the tiled passes."""
+    from hf_vegas_kernels import _launch
+
+    gen = torch.Generator().manual_seed(20000)
+    scores = torch.randn(2, 20000, generator=gen).round(decimals=1).to(DEVICE)  # many ties
+    count = torch.tensor([700, 33], device=DEVICE)
+    cand_end = torch.tensor([20000, 17001], device=DEVICE)
+    chosen = {}
+    for name, longest in (("registers", 32768), ("tiled", 0)):
+        monkeypatch.setitem(_launch.SELECT_TUNING, "row_in_registers", longest)
+        chosen[name] = _run(scores, count, cand_end)
+    _check_topk(scores, count, cand_end, chosen["registers"])
+    assert torch.equal(chosen["registers"], chosen["tiled"])

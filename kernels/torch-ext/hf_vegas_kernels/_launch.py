@@ -71,10 +71,13 @@ LINEAR_TUNING = {
 LINEAR_SHARED_BYTES = 160 << 10
 LINEAR_TUNED_ROWS = 64
 
-# Warps per program of the in-register top-k selection (`select.py`, one program per (layer, row)); 0: 16 for rows
-# longer than 8K slots, else 4. At SmolLM2 batch 64 x 7.5K on an H100 (`kernel_bandwidth.py --tuning`, 82ade28) the
-# 30 layers' top-k took 256 us with 4 warps, 371 with 8 and 373 with 2. The benchmark overrides it to sweep.
-SELECT_TUNING = {"num_warps": 0}
+# Warps per program of the in-register top-k selection (`select.py`, one program per (layer, row)); 0: 4 for rows of
+# at most 8K slots, 16 up to 16K, 32 beyond. At SmolLM2 batch 64 x 7.5K on an H100 (`kernel_bandwidth.py --tuning`,
+# 82ade28) the 30 layers' top-k took 256 us with 4 warps, 371 with 8 and 373 with 2. The benchmark overrides it to
+# sweep. `row_in_registers`: the longest row (in slots, before rounding up to a power of two) held in registers;
+# longer rows take the tiled threshold passes, which at the Qwen3-8B shape 16 x 32K cost 1.14 ms per verification
+# on an H200 (1d6f650). Not yet timed above 16K (`--tuning-sets "select:row_in_registers=65536" ""`).
+SELECT_TUNING = {"num_warps": 0, "row_in_registers": 16384}
 
 # Programmatic dependent launch (Hopper and later): a kernel of a step's chain (projections, attention, norm) is
 # launched while the one before it still runs, waits for it (`griddepcontrol.wait`) before loading anything, and lets

@@ -7,8 +7,9 @@ as many ties as still fit, in slot order. The lists are therefore ascending (loc
 and deterministic. One program per (layer, row): after a verification every full-attention layer selects in one
 launch (`layers * batch` programs); the `last_token` policy selects per layer after acceptance.
 
-A row of at most `ROW_IN_REGISTERS` slots is loaded once and kept in registers (`_select_topk_row`): the k-th key is
-then found by bisection, one reduction per bit (32), and the slots are written with one scan. Reloading the row for
+A row of at most `_launch.SELECT_TUNING["row_in_registers"]` slots (16K) is loaded once and kept in registers
+(`_select_topk_row`): the k-th key is then found by bisection, one reduction per bit (32), and the slots are written
+with one scan. Reloading the row for
 each of the threshold passes cost 0.59 ms per verification at SmolLM2 64 x 7.5K (30 layers, 1 920 programs) on an
 H100, against a ~20 us read of the scores. The block is the row's slot count rounded up to a power of two, so callers
 pass only the slots that can be candidates (`SelectionState.select`): on an H100 (30 layers x 64 rows, random
@@ -27,7 +28,6 @@ from . import _launch
 
 _THRESHOLDS = 16
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-ROW_IN_REGISTERS = 16384
 
 
 @triton.jit
@@ -147,9 +147,9 @@ def select_topk(scores, count, cand_end, out, layers=None):
     args = (scores, count, cand_end, out3, layers, batch,
             scores.stride(0), scores.stride(1), out3.stride(0), out3.stride(1),
             count.stride(0) if per_layer else 0)
-    if scores.shape[-1] <= ROW_IN_REGISTERS:
+    if scores.shape[-1] <= _launch.SELECT_TUNING["row_in_registers"]:
         block = triton.next_power_of_2(scores.shape[-1])
-        warps = _launch.SELECT_TUNING["num_warps"] or (16 if block > 8192 else 4)
+        warps = _launch.SELECT_TUNING["num_warps"] or (4 if block <= 8192 else 16 if block <= 16384 else 32)
         _select_topk_row[grid](*args, BLOCK_S=block, USE_GDC=_launch.pdl(scores.device), num_warps=warps,
                                **_launch.pdl_launch(scores.device))
     else:
