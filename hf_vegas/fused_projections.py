@@ -62,8 +62,11 @@ def _linear_parts(*modules) -> list[tuple[torch.Tensor, torch.Tensor | None]] | 
     for m in modules:
         if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
             return None
-        shard = compat.column_parallel_shard(m) if "forward" in vars(m) else (m.weight, m.bias)
-        if shard is None or any(_distributed(t) for t in shard):  # (a sharded weight its own forward would gather)
+        if "forward" in vars(m):
+            shard = compat.column_parallel_shard(m)  # this rank's plain tensors, or None
+        else:  # a DTensor weight without transformers' column-parallel forward: not a tensor a kernel can read
+            shard = None if _distributed(m.weight) or _distributed(m.bias) else (m.weight, m.bias)
+        if shard is None:
             return None
         sharded.add("forward" in vars(m))
         parts.append(shard)
