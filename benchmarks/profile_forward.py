@@ -195,11 +195,15 @@ def main() -> None:
         StepRunner.draft, StepRunner.verify, StepRunner.prefill = original_draft, original_verify, original_prefill
         StepRunner.decode = original_decode
         loop.DecodeLoop._iterate = original_iterate
-    if tensor_parallel_runs.world_size() > 1:
-        tensor_parallel_runs.finish()
-    if not leader:
-        return
+    try:
+        if leader:  # before the ranks part: a TP profile that printed nothing by its timeout (stop 39) left no clue
+            report(args, profiles, step_peaks, peaks, ran_eagerly)
+    finally:
+        if tensor_parallel_runs.world_size() > 1:
+            tensor_parallel_runs.finish()
 
+
+def report(args, profiles, step_peaks, peaks, ran_eagerly) -> None:
     print(f"batch {args.batch} x {args.prompt_tokens}, {'sampling' if args.sample else 'greedy'}, "
           f"{'eager' if args.eager else 'graphs'}{' + compile' if args.compile else ''}"
           f"{'' if args.no_fuse else ', fused projections'}")
