@@ -76,8 +76,8 @@ class VegasConfig:
             all-reduce over a buffer both GPUs map, for the decode, draft and verification steps (sums larger than
             that, as a prefill's, stay NCCL's). The sums are the same bit for bit; a `(16, 4096)` bf16 one took 7.6
             us against NCCL's 18.5 in a CUDA graph (2 x H200, `benchmarks/all_reduce.py`), and Vegas at the Qwen3-8B
-            shape 16 x 32K ran 4.5 % faster with it. Not the default: its runs on GPUs had not exited by their
-            timeouts after their work was done (README "Multi-GPU").
+            shape 16 x 32K ran 4.5 % faster with it. Not the default: a rank that fails inside a forward leaves
+            the other GPU waiting at the kernel's barrier, which has no timeout (README "Multi-GPU").
         backend (`str`, *optional*, defaults to `"auto"`):
             `"torch"` runs the plain-PyTorch ops (`hf_vegas_kernels.naive`), `"triton"` the Triton kernels, `"auto"`
             picks Triton on CUDA when it is available and the plain-PyTorch ops otherwise.

@@ -32,7 +32,8 @@ The buffer holds the largest decode, draft or verification activation, `batch * 
 compiled step could not trace it (dynamo refused it in the benchmark). It declares that it writes the buffer too
 (it copies its input there first). On 2 x H200 (6bdac13) a generation with it gave vanilla TP greedy (the TP worker,
 tiny Llama) and the Qwen3-8B shape at 16 x 32K ran 4.5 % faster; both runs had not exited by their timeouts after
-their work was done, hence `release_buffers` (README "Multi-GPU").
+their work was done, hence `release_buffers`, after which (f4a80ab) the worker and the benchmark exited on their own
+(README "Multi-GPU").
 """
 
 from __future__ import annotations

@@ -34,7 +34,9 @@ import torch
 # `sparse_wide_head`: sparse drafts with head_dim 128 (Qwen3-8B shape at 32K, a 2.3K-slot selection; `--sweep
 # --draft-only --shapes qwen3-8b`, H100, commit a95ad78, kernels_sweep.jsonl) want two pipeline stages, whose tiles
 # leave room for more programs per SM: 20.0 us at batch 4 and 64.3 at batch 16, against 24.1 and 68.9 with the head_dim
-# 64 setting (the best single settings were 19.1 and 61.2 us).
+# 64 setting (the best single settings were 19.1 and 61.2 us). Merging their splits in the kernel (`fused_combine`)
+# instead of the combine launch was slower at 16 x 32K on an H200 (f4a80ab, the command under SELECT_TUNING, in a
+# second process beside the defaults' on the same machine): draft steps of 8.60 and 8.76 ms against 8.17.
 TUNING = {
     "sparse": {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 2, "nearest": True, "fused_combine": True,
                "fused_combine_max_splits": 2},
@@ -76,7 +78,10 @@ LINEAR_TUNED_ROWS = 64
 # 82ade28) the 30 layers' top-k took 256 us with 4 warps, 371 with 8 and 373 with 2. The benchmark overrides it to
 # sweep. `row_in_registers`: the longest row (in slots, before rounding up to a power of two) held in registers;
 # longer rows take the tiled threshold passes, which at the Qwen3-8B shape 16 x 32K cost 1.14 ms per verification
-# on an H200 (1d6f650). Not yet timed above 16K (`--tuning-sets "select:row_in_registers=65536" ""`).
+# on an H200 (1d6f650). One register-held row was slower there: `throughput.py --workloads qwen3-8b-shape:16x32768
+# --methods vegas --compile --prefill-chunk 8192 --tuning-sets "select:row_in_registers=65536
+# sparse_wide_head:fused_combine=1" "sparse_wide_head:fused_combine=1"` (H200, f4a80ab, one process) gave a
+# verification of 30.94 ms against 30.33 with the tiled passes.
 SELECT_TUNING = {"num_warps": 0, "row_in_registers": 16384}
 
 # Programmatic dependent launch (Hopper and later): a kernel of a step's chain (projections, attention, norm) is
