@@ -102,13 +102,11 @@ class _Distributed:
 _buffers: dict[tuple[str, torch.device, torch.dtype, int], Tensor] = {}
 
 
-def release_buffers() -> int:
-    """Drop every symmetric buffer (returns how many). Only once no captured graph that reads one remains; on every
+def release_buffers() -> None:
+    """Drop every symmetric buffer. Only once no captured graph that reads one remains; on every
     rank at the same point, while the process group is alive (freeing symmetric memory may be collective), e.g.
     before `destroy_process_group`."""
-    count = len(_buffers)
     _buffers.clear()
-    return count
 
 
 def buffer_for(group, numel: int, device: torch.device, dtype: torch.dtype) -> Tensor:
