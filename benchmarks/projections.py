@@ -118,7 +118,8 @@ def sweep(shape: str, rows: int, only: list[str] | None = None, grid: dict | Non
         n = _copies(sum(outs) * k * 2)
         return n, [[torch.randn(o, k, **bf16) / 32 for o in outs] for _ in range(n)]
 
-    x, x_inter = torch.randn(rows, hidden, **bf16), torch.randn(rows, inter, **bf16)
+    # the output projection's input is the attention's output: q_out wide (under TP = 2 half the hidden size)
+    x, x_attn, x_inter = (torch.randn(rows, width, **bf16) for width in (hidden, q_out, inter))
     head_dim = 128 if shape.startswith("qwen3-8b") else 64
     angles = torch.rand(rows, 1, head_dim, device="cuda")
     rope = (angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16),
@@ -132,8 +133,8 @@ def sweep(shape: str, rows: int, only: list[str] | None = None, grid: dict | Non
         "qkv_rope": (*weights(q_out, kv_out, kv_out), lambda w: kernels.qkv_rope_write(
             x.view(rows, 1, -1), *w, None, None, None, rope[0], rope[1], rope[2], rope[3], rope[4], *rope[5]),
             lambda w: [F.linear(x, wi) for wi in w]),
-        "linear(o)": (*weights(hidden, k=q_out), lambda w: kernels.grouped_linear(x, w),
-                      lambda w: F.linear(x, w[0])),
+        "linear(o)": (*weights(hidden, k=q_out), lambda w: kernels.grouped_linear(x_attn, w),
+                      lambda w: F.linear(x_attn, w[0])),
         "linear(down)": (*weights(hidden, k=inter), lambda w: kernels.grouped_linear(x_inter, w),
                          lambda w: F.linear(x_inter, w[0])),
     }
@@ -151,8 +152,11 @@ def sweep(shape: str, rows: int, only: list[str] | None = None, grid: dict | Non
                     continue  # the launcher clamps it to the rows: a duplicate of a smaller block
                 if kind == "qkv_rope" and setting["block_n"] != grid["block_n"][0]:
                     continue  # a program owns one head: no column block to choose
-                _launch.LINEAR_TUNING[kind] = setting
+                for entry in (kind, f"{kind}_large"):  # whichever the launcher takes at this shape
+                    if entry in default:
+                        _launch.LINEAR_TUNING[entry] = setting
                 records.append(dict(shape=shape, rows=rows, op=op, setting=setting, cublas_us=cublas_us,
+                                    tuning_kind=_tuning_kind(op, rows, sets[0]),
                                     us=graph_time(lambda i: fused(sets[i % n]), n) * 1e6))
             _launch.LINEAR_TUNING.update(default)
     finally:
@@ -187,10 +191,11 @@ def main() -> None:
         append_records(out, records)
         for key in sorted({(r["shape"], r["rows"], r["op"]) for r in records}):
             group = sorted((r for r in records if (r["shape"], r["rows"], r["op"]) == key), key=lambda r: r["us"])
-            default = next((r for r in group if r["setting"] == _default_setting(r["op"])), {"us": float("nan")})
+            default = next((r for r in group if r["setting"] == _default_setting(r)), {"us": float("nan")})
             best, second = group[0], group[1]
-            print(f"{key[0]:<14} {key[1]:>4} {key[2]:<13} cuBLAS {best['cublas_us']:6.1f} us | current "
-                  f"{default['us']:6.1f} | best {best['us']:6.1f} {best['setting']} | 2nd {second['us']:6.1f}")
+            print(f"{key[0]:<14} {key[1]:>4} {key[2]:<13} {best['tuning_kind']:<13} cuBLAS {best['cublas_us']:6.1f} "
+                  f"us | current {default['us']:6.1f} | best {best['us']:6.1f} {best['setting']} "
+                  f"| 2nd {second['us']:6.1f}")
         return
     records = [dict(base, **measure(shape, rows)) for shape in args.shapes for rows in args.rows]
     append_records(args.out, records)
@@ -222,10 +227,24 @@ def _grid(overrides: list[str]) -> dict:
     return grid
 
 
-def _default_setting(op: str) -> dict:
+def _tuning_kind(op: str, rows: int, weights: list[torch.Tensor]) -> str:
+    """The `LINEAR_TUNING` entry the launcher takes for `op` at these rows and weights ("qkv_rope": its own)."""
+    from hf_vegas_kernels import linear
+
+    kind = op.split("(")[0]
+    if kind == "qkv_rope":
+        return kind
+    return linear.tuning_kind(kind, rows, sum(w.numel() * w.element_size() for w in weights))
+
+
+def _default_setting(record: dict) -> dict:
+    """The launch setting the kernels take now for a sweep record's op and rows (a row block clamped to the rows, as
+    the launcher clamps it)."""
     from hf_vegas_kernels import _launch
 
-    return _launch.LINEAR_TUNING[op.split("(")[0]]
+    setting = dict(_launch.LINEAR_TUNING[record["tuning_kind"]])
+    setting["block_m"] = min(setting["block_m"], max(16, 1 << (record["rows"] - 1).bit_length()))
+    return setting
 
 
 if __name__ == "__main__":

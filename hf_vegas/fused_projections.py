@@ -1,4 +1,5 @@
-"""One launch for a layer's q/k/v projections and one for its gate/up projections + activation, in draft steps.
+"""One launch for a layer's q/k/v projections and one for its gate/up projections + activation, in draft steps; and
+the tuned kernel for a large output or down projection.
 
 A draft step of a small model at batch 64 is bound by its kernel count, not its bytes: SmolLM2's seven cuBLAS
 projections per layer take ~25 us of a ~60 us layer (`benchmarks/profile_forward.py`). Inside `fused_projections`,
@@ -11,6 +12,13 @@ dense steps, whose logits pick the tokens, must not: they keep the model's own p
 Under transformers' tensor parallelism (`tp_plan="auto"`) q/k/v and gate/up are column-parallel: each rank computes
 its own output columns from its shard of the weights, and the kernels do the same from the same shards (the
 row-parallel output and down projections keep their forward, which sums the ranks' partial products).
+
+A layer whose q/k/v or gate/up are fused also runs its output (`o_proj`) or down (`down_proj`) projection through
+the kernel (`hf_vegas_kernels.linear_op`) where its weight is large (over `MAX_WEIGHT_BYTES`), in forwards of at most
+`LARGE_WEIGHT_MAX_ROWS` rows: no launch is saved there, but the kernel reads such a weight faster than cuBLAS does
+from a few rows (Qwen3-8B at 16 rows on an H200, commit b89507d: 11.4 against 14.1 us, 28.2 against 31.2;
+`_launch.LINEAR_TUNING`'s "linear_large"). Small single projections keep cuBLAS, which is as fast there. Under
+tensor parallelism those two are row-parallel (their forward sums the ranks' products) and keep their forward.
 
 The weights are read where they are (no fused copy, no extra memory) and the model is changed only by instance-level
 `forward` attributes, put back as they were when the block exits (none, or transformers' tensor-parallel forward),
@@ -153,6 +161,28 @@ def _fuse_attention(module, kernels, active) -> list[tuple[nn.Module, object]] |
     return patched
 
 
+def _fuse_single(module, name: str, kernels, active) -> list[tuple[nn.Module, object]] | None:
+    """`module`'s projection `name` (`o_proj`, `down_proj`) as one launch of the tuned kernel in draft forwards of at
+    most `LARGE_WEIGHT_MAX_ROWS` rows, if it is a plain `nn.Linear` (not a tensor-parallel one) of a large weight."""
+    projection = getattr(module, name, None)
+    parts = None if projection is None or "forward" in vars(projection) else _linear_parts(projection)
+    if parts is None:
+        return None
+    ((weight, bias),) = parts
+    if weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES or kernels.linear.block_n_for(
+            weight.shape[0]) is None:
+        return None
+    own = projection.forward
+
+    def forward(x):
+        if not _use_kernel(x, weight, active, LARGE_WEIGHT_MAX_ROWS):
+            return own(x)
+        return kernels.linear_op(x, weight, bias)
+
+    projection.forward = forward
+    return [(projection, None)]
+
+
 def _gated_mlp_activation(module) -> str | None:
     """The activation name if `module` is a standard gated MLP the kernel can run, else None."""
     parts = _gate_up(module)
@@ -199,20 +229,25 @@ def fused_projections(model, active=lambda: True):
     """Run `model`'s attention and gated-MLP projections as one launch each inside the block (Triton backend), in the
     forwards during which `active()` is true (it is asked in every projection call; with CUDA graphs, at capture).
 
-    Yields the number of attention modules and MLPs fused.
+    Yields the number of attention modules and MLPs fused, and of output and down projections run by the kernel
+    (`"output"`).
     """
     kernels = backend.kernels()
     patched: list[tuple[nn.Module, object]] = []  # (module, the forward attribute it had, or None)
-    counts = {"attention": 0, "mlp": 0}
+    counts = {"attention": 0, "mlp": 0, "output": 0}
     # Only the language model's layers run in draft steps (a multimodal class's vision tower never does).
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     try:
-        for module in decoder.modules():
-            for kind, fuse in (("attention", _fuse_attention), ("mlp", _fuse_mlp)):
+        for module in list(decoder.modules()):
+            for kind, fuse, single in (("attention", _fuse_attention, "o_proj"), ("mlp", _fuse_mlp, "down_proj")):
                 done = fuse(module, kernels, active)
                 if done:
                     patched += done
                     counts[kind] += 1
+                    done = _fuse_single(module, single, kernels, active)
+                    if done:
+                        patched += done
+                        counts["output"] += 1
         yield counts
     finally:
         for module, own in patched:

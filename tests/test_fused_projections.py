@@ -24,7 +24,7 @@ def test_fused_forward_matches_and_the_model_is_restored(arch):
     # Phi-3 already projects with one `qkv_proj` and one `gate_up_proj`; latent attention (DeepSeek-V3) has no q/k/v
     # projections.
     fusable = {"phi3": {"attention": 0, "mlp": 0}, "deepseek_v3": {"attention": 0, "mlp": layers}}
-    assert counts == fusable.get(arch, {"attention": layers, "mlp": layers})
+    assert counts == {**fusable.get(arch, {"attention": layers, "mlp": layers}), "output": 0}, "tiny weights: cuBLAS"
     assert_fp32_close(got, expected)
     assert not any("forward" in vars(m) for m in model.modules()), "every instance forward must be removed"
 
@@ -55,14 +55,16 @@ def test_hooked_and_unknown_modules_are_left_alone():
     model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda *args: None)
     model.model.layers[1].mlp.act_fn = torch.nn.ReLU()
     with fused_projections(model) as counts:
-        assert counts == {"attention": 2, "mlp": 2}
+        assert counts == {"attention": 2, "mlp": 2, "output": 0}
         assert "forward" not in vars(model.model.layers[0].self_attn.q_proj)
         assert "forward" not in vars(model.model.layers[1].mlp)
 
 
 def test_layers_with_large_weights_use_the_kernels_only_for_the_fewest_rows(monkeypatch):
     """Weights above `MAX_WEIGHT_BYTES` (cuBLAS reaches the bandwidth from a few rows on) take the one-launch kernels
-    in forwards of at most `LARGE_WEIGHT_MAX_ROWS` rows, small weights in any draft-sized forward."""
+    in forwards of at most `LARGE_WEIGHT_MAX_ROWS` rows, and so do their output and down projections (the tuned
+    kernel reads them faster there); small weights take the fused kernels in any draft-sized forward and keep cuBLAS
+    for the single projections."""
     from hf_vegas import fused_projections as module
 
     model = tiny_model("llama").to(DEVICE)
@@ -71,18 +73,23 @@ def test_layers_with_large_weights_use_the_kernels_only_for_the_fewest_rows(monk
         args[0], args[1:4], None))
     monkeypatch.setattr(kernels, "gated_linear_op", lambda x, gate, up, act: calls.append("mlp") or (
         torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())))
+    original = kernels.linear_op
+    monkeypatch.setattr(kernels, "linear_op", lambda *args: calls.append("one") or original(*args))
     few, more = module.LARGE_WEIGHT_MAX_ROWS, module.LARGE_WEIGHT_MAX_ROWS + 1
     ids = torch.randint(1, 128, (1, more)).to(DEVICE)
     layers = model.config.num_hidden_layers
-    for limit, expected in ((0, ["qkv", "mlp"] * layers), (1 << 40, ["qkv", "mlp"] * 2 * layers)):
+    for limit, expected, singles in ((0, ["qkv", "one", "mlp", "one"] * layers, 2 * layers),
+                                     (1 << 40, ["qkv", "mlp"] * 2 * layers, 0)):
         monkeypatch.setattr(module, "MAX_WEIGHT_BYTES", limit)
         calls.clear()
         with torch.no_grad(), fused_projections(model) as counts:
-            assert counts == {"attention": layers, "mlp": layers}
+            assert counts == {"attention": layers, "mlp": layers, "output": singles}
             want = model(ids).logits  # `more` rows: only small weights take the kernels
-            model(ids[:, :few])
+            got = model(ids[:, :few]).logits
         assert calls == expected, f"MAX_WEIGHT_BYTES={limit}"
         assert_fp32_close(want, model(ids).logits)
+        assert_fp32_close(got, model(ids[:, :few]).logits)
+    assert not any("forward" in vars(m) for m in model.modules()), "the output projections are restored too"
 
 
 def test_only_draft_steps_use_the_fused_kernels(monkeypatch):

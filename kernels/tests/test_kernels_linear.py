@@ -21,6 +21,29 @@ def test_grouped_linear_matches_reference(rows, with_bias):
                        naive.grouped_linear(x, weights, biases))
     assert_fp32_close(kernels.grouped_linear(x, weights[:1], biases and biases[:1]),
                        naive.grouped_linear(x, weights[:1], biases and biases[:1]))
+    assert_fp32_close(kernels.linear_op(x, weights[0], biases and biases[0]),
+                       naive.grouped_linear(x, weights[:1], biases and biases[:1]))
+
+
+@pytest.mark.parametrize("kind", ["qkv", "gated", "linear"])
+def test_large_weight_settings_compute_the_same_product(monkeypatch, kind):
+    """The "_large" launch settings (wide column blocks, a K block longer than this K, deep pipelines), taken here by
+    small weights with the threshold at 0, on rows that fill one tile and part of another."""
+    from hf_vegas_kernels import _launch, linear
+
+    monkeypatch.setattr(linear, "INTERPRETER_BLOCK_N", 0)  # the tuned setting, also in the interpreter
+    monkeypatch.setattr(_launch, "LINEAR_LARGE_WEIGHT_BYTES", 0)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(19, 96, generator=gen).to(DEVICE)
+    weights = [torch.randn(n, 96, generator=gen).to(DEVICE) for n in (64, 32, 32)]
+    assert linear._setting(kind, 19, [64], 4, 96)["block_n"] == _launch.LINEAR_TUNING[f"{kind}_large"]["block_n"]
+    if kind == "gated":
+        got, want = kernels.gated_linear(x, weights[1], weights[2], "silu"), naive.gated_linear(
+            x, weights[1], weights[2], "silu")
+    else:
+        used = weights if kind == "qkv" else weights[:1]
+        got, want = kernels.grouped_linear(x, used), naive.grouped_linear(x, used)
+    assert_fp32_close(got, want)
 
 
 @pytest.mark.parametrize("setting", [dict(block_m=16, block_n=16, block_k=32, num_warps=2, num_stages=2),
@@ -135,19 +158,27 @@ def test_linear_kernels_refuse_shapes_they_cannot_split():
         kernels.gated_linear(x, torch.randn(16, 32, device=DEVICE), torch.randn(16, 32, device=DEVICE), "relu")
 
 
+@pytest.mark.parametrize("width", [576, 4096], ids=["small", "large"])
 @pytest.mark.parametrize("element_bytes", [2, 4])
-@pytest.mark.parametrize("kind", ["qkv", "gated"])
-def test_launch_settings_fit_in_shared_memory(kind, element_bytes):
+@pytest.mark.parametrize("kind", ["qkv", "gated", "linear"])
+def test_launch_settings_fit_in_shared_memory(kind, element_bytes, width):
     """fp32 inputs, and the gated kernel's two tiles, take fewer pipeline stages rather than failing to launch on a
-    GPU (the tuned bf16 setting would need more shared memory than a block has)."""
+    GPU (the tuned bf16 setting would need more shared memory than a block has); weights of more than
+    `LINEAR_LARGE_WEIGHT_BYTES` take their kind's "_large" setting."""
     from hf_vegas_kernels import _launch, linear
 
-    setting = linear._setting(kind, 64, [1536], element_bytes)
+    sizes = [3072, 3072] if kind == "gated" else [3072]
+    setting = linear._setting(kind, 64, sizes, element_bytes, width)
     tile = (setting["block_m"] + setting["block_n"]) * setting["block_k"] * element_bytes
     used = setting["num_stages"] * tile * (2 if kind == "gated" else 1)
     assert used <= _launch.LINEAR_SHARED_BYTES and setting["num_stages"] >= 1
-    tuned = _launch.LINEAR_TUNING[kind]
-    if element_bytes == 2 and kind == "qkv":
+    large = sum(sizes) * width * element_bytes > _launch.LINEAR_LARGE_WEIGHT_BYTES
+    assert large == (width == 4096), "the test's widths straddle the threshold"
+    tuned = _launch.LINEAR_TUNING[f"{kind}_large" if large else kind]
+    assert setting["block_n"] == tuned["block_n"] and setting["num_warps"] == tuned["num_warps"]
+    if element_bytes == 2 and kind == "qkv" and not large:
         assert setting == {**tuned, "block_n": 16}, "bf16 q/k/v fit as tuned"
     if element_bytes == 4 and kind == "gated":
         assert setting["num_stages"] < tuned["num_stages"]
+    assert linear._setting(kind, 65, sizes, element_bytes, width)["block_n"] == _launch.LINEAR_TUNING["generic"][
+        "block_n"], "forwards of more than LINEAR_TUNED_ROWS rows keep the generic setting"

@@ -7,10 +7,11 @@ import sys
 import pytest
 from kernel_cases import import_kernels
 
-# Triton ops whose naive twin has another name: the `torch.library` forms of three products, and the q/k/v projection
-# (`grouped_linear` of three weights).
+# Triton ops whose naive twin has another name: the `torch.library` forms of three products, and the q/k/v and single
+# projections (`grouped_linear` of three weights, of one).
 NAIVE_TWIN = {"gated_linear_op": "gated_linear", "linear_residual_op": "linear_residual",
-              "linear_residual_norm_into": "linear_residual_norm", "qkv_linear": "grouped_linear"}
+              "linear_residual_norm_into": "linear_residual_norm", "qkv_linear": "grouped_linear",
+              "linear_op": "grouped_linear"}
 
 WITHOUT_TRITON = r"""
 import sys

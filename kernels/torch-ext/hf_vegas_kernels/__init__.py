@@ -21,8 +21,9 @@ from . import naive
 
 # Each Triton op and the module of this package that defines it.
 _TRITON_OPS = {
-    **dict.fromkeys(("gated_linear", "gated_linear_op", "grouped_linear", "linear_residual", "linear_residual_op",
-                     "linear_residual_norm", "linear_residual_norm_into", "qkv_linear"), "linear"),
+    **dict.fromkeys(("gated_linear", "gated_linear_op", "grouped_linear", "linear_op", "linear_residual",
+                     "linear_residual_op", "linear_residual_norm", "linear_residual_norm_into", "qkv_linear"),
+                    "linear"),
     **dict.fromkeys(("dense_attention", "finalize_scores", "qkv_rope_write", "rms_norm", "select_topk",
                      "sparse_draft_attention", "verify_attention", "write_kv"), "ops"),
     "race_argmax": "race",

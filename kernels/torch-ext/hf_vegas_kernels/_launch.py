@@ -64,6 +64,14 @@ LINEAR_TUNING = {
     "gated": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
     "linear": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
     "generic": {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3},
+    # Weights of more than LINEAR_LARGE_WEIGHT_BYTES (a launch's, gate and up together) are read for their bytes, not
+    # their launch: wider column blocks and longer K steps stream them faster. Qwen3-8B's at 16 rows (H200, commit
+    # b89507d, `projections.py --sweep --shapes qwen3-8b --rows 16 --grid block_m=16 block_n=16,32 block_k=128,256
+    # num_warps=4,8 num_stages=4,6`, projections_sweep.jsonl): q/k/v 17.9 -> 16.2 us, gate/up 63.6 -> 52.9, the
+    # output projection 14.0 -> 11.4 and the down projection 37.8 -> 28.2 (cuBLAS: 28.1, 61.7, 14.1, 31.2).
+    "qkv_large": {"block_m": 64, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 4},
+    "gated_large": {"block_m": 64, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4},
+    "linear_large": {"block_m": 64, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 6},
     # q/k/v + rotary + cache write (`qkv_rope.py`): a program per (head, row block), so narrower row blocks make
     # the programs (SmolLM2 at 64 rows: 15 heads x 4 row blocks).
     "qkv_rope": {"block_m": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
@@ -72,6 +80,8 @@ LINEAR_TUNING = {
 # tiles of the gated kernel, take fewer stages instead of failing to launch.
 LINEAR_SHARED_BYTES = 160 << 10
 LINEAR_TUNED_ROWS = 64
+# Above this many weight bytes a launch of at most LINEAR_TUNED_ROWS rows takes its kind's "_large" setting.
+LINEAR_LARGE_WEIGHT_BYTES = 16 << 20
 
 # Warps per program of the in-register top-k selection (`select.py`, one program per (layer, row)); 0: 4 for rows of
 # at most 8K slots, 16 up to 16K, 32 beyond. At SmolLM2 batch 64 x 7.5K on an H100 (`kernel_bandwidth.py --tuning`,

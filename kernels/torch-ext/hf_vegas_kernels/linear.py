@@ -135,10 +135,19 @@ def block_n_for(*sizes: int, widest: int = 64) -> int | None:
     return None
 
 
-def _setting(kind: str, rows: int, sizes: list[int], element_bytes: int) -> dict:
-    """Launch parameters of `kind` ("qkv", "gated", "linear") for `rows` rows and output segments of `sizes`, from
-    `_launch.LINEAR_TUNING`."""
-    setting = dict(_launch.LINEAR_TUNING[kind if rows <= _launch.LINEAR_TUNED_ROWS else "generic"])
+def tuning_kind(kind: str, rows: int, weight_bytes: int) -> str:
+    """The `_launch.LINEAR_TUNING` entry a launch of `kind` ("qkv", "gated", "linear") over `rows` rows and
+    `weight_bytes` of weights (all of the launch's) takes."""
+    if rows > _launch.LINEAR_TUNED_ROWS:
+        return "generic"
+    return f"{kind}_large" if weight_bytes > _launch.LINEAR_LARGE_WEIGHT_BYTES else kind
+
+
+def _setting(kind: str, rows: int, sizes: list[int], element_bytes: int, k: int) -> dict:
+    """Launch parameters of `kind` ("qkv", "gated", "linear") for `rows` rows, the weights' output segments `sizes`
+    (gated: gate's and up's) and inputs of `k` columns, from `_launch.LINEAR_TUNING`."""
+    weight_bytes = sum(sizes) * k * element_bytes
+    setting = dict(_launch.LINEAR_TUNING[tuning_kind(kind, rows, weight_bytes)])
     # No wider row block than the rows need (a draft of 4 sequences computes a 16-row tile, not 64).
     setting["block_m"] = min(setting["block_m"], max(16, triton.next_power_of_2(rows)))
     setting["block_n"] = block_n_for(*sizes, widest=setting["block_n"])
@@ -175,7 +184,7 @@ def _launch_linear(kind, x2, weights, biases, out, act=0, residual=None, row_sum
     of squares give the RMSNorm's row factor. `norm_out` `(norm_weight, scaled, sumsq)` (with `residual`): also write
     `out * norm_weight` into `scaled` and each column block's sums of squares into `sumsq` `(M, blocks)`."""
     sizes = [w.shape[0] for w in weights]
-    setting = _setting(kind, x2.shape[0], sizes, x2.element_size())
+    setting = _setting(kind, x2.shape[0], sizes, x2.element_size(), x2.shape[1])
     block_n = _column_block(setting, sizes, x2.device)
     gated = kind == "gated"
     out_cols = sizes[0] if gated else sum(sizes)
@@ -263,7 +272,8 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
 def norm_partials(rows: int, size: int, x: torch.Tensor) -> int:
     """Partial sums of squares per row that `linear_residual_norm` writes for `rows` outputs of `size` from `x`'s
     dtype and device: one per column block."""
-    return triton.cdiv(size, _column_block(_setting("linear", rows, [size], x.element_size()), [size], x.device))
+    setting = _setting("linear", rows, [size], x.element_size(), x.shape[-1])
+    return triton.cdiv(size, _column_block(setting, [size], x.device))
 
 
 def linear_residual_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor):
@@ -300,6 +310,17 @@ def qkv_linear(x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor, w2: torch.Te
 @qkv_linear.register_fake
 def _(x, w0, w1, w2, b0, b1, b2):
     return x.new_empty(*x.shape[:-1], w0.shape[0] + w1.shape[0] + w2.shape[0])
+
+
+@torch.library.custom_op("hf_vegas::linear", mutates_args=())
+def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`grouped_linear(x, (weight,), (bias,))` as one op: `F.linear` in one launch of the tuned kernel."""
+    return grouped_linear(x, (weight,), None if bias is None else (bias,))
+
+
+@linear_op.register_fake
+def _(x, weight, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("hf_vegas::gated_linear", mutates_args=())
