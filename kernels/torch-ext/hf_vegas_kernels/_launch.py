@@ -68,7 +68,11 @@ LINEAR_TUNING = {
     # their launch: wider column blocks and longer K steps stream them faster. Qwen3-8B's at 16 rows (H200, commit
     # b89507d, `projections.py --sweep --shapes qwen3-8b --rows 16 --grid block_m=16 block_n=16,32 block_k=128,256
     # num_warps=4,8 num_stages=4,6`, projections_sweep.jsonl): q/k/v 17.9 -> 16.2 us, gate/up 63.6 -> 52.9, the
-    # output projection 14.0 -> 11.4 and the down projection 37.8 -> 28.2 (cuBLAS: 28.1, 61.7, 14.1, 31.2).
+    # output projection 14.0 -> 11.4 and the down projection 37.8 -> 28.2 (cuBLAS: 28.1, 61.7, 14.1, 31.2). At 4 rows
+    # and at one rank's shards under TP = 2 (2f97021, a grid with block_n 64 and 3 stages too) they were within 4 % of
+    # the best; in one TP = 2 process at 16 x 32K the draft step took 5.25 ms against 5.52 with the settings above.
+    # (The rank's output projection, exactly 16 MiB, took the "linear" setting: 7.8 us against 6.4 for the best;
+    # under TP that projection is row-parallel and runs cuBLAS, 7.4 us.)
     "qkv_large": {"block_m": 64, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 4},
     "gated_large": {"block_m": 64, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4},
     "linear_large": {"block_m": 64, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 6},
