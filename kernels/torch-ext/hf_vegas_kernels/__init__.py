@@ -4,7 +4,7 @@ draft token's race, the cache write, one-launch decode projections, RMSNorm, and
 projection with its rotary embedding and cache write, and the output projections with their residual and the next
 RMSNorm's input). Each Triton op takes its naive op's signature, but `linear_residual_norm_into`, the launch of
 `linear_residual_norm` into buffers it is given; those a model forward calls are `torch.library` custom ops
-(`ops.py`, `linear.py`), which `torch.compile` traces through.
+(`ops.py`, `linear_ops.py`), which `torch.compile` traces through.
 
 `import hf_vegas_kernels` and `naive` need only torch: the Triton modules load on first use of one of their ops
 (`hf_vegas_kernels.dense_attention`), so a machine without Triton still has the contract, and a broken Triton install
@@ -21,9 +21,9 @@ from . import naive
 
 # Each Triton op and the module of this package that defines it.
 _TRITON_OPS = {
-    **dict.fromkeys(("gated_linear", "gated_linear_op", "grouped_linear", "linear_op", "linear_residual",
-                     "linear_residual_op", "linear_residual_norm", "linear_residual_norm_into", "qkv_linear"),
-                    "linear"),
+    **dict.fromkeys(("gated_linear", "grouped_linear", "linear_residual"), "linear"),
+    **dict.fromkeys(("gated_linear_op", "linear_op", "linear_residual_op", "linear_residual_norm",
+                     "linear_residual_norm_into", "qkv_linear"), "linear_ops"),
     **dict.fromkeys(("dense_attention", "finalize_scores", "qkv_rope_write", "rms_norm", "select_topk",
                      "sparse_draft_attention", "verify_attention", "write_kv"), "ops"),
     "race_argmax": "race",

@@ -1,9 +1,9 @@
 r"""The plain-PyTorch ("naive") ops: the contract, beside the Triton kernels that implement it (`ops.py`, `linear.py`,
-`top_p.py`, `race.py`). The Triton ops and hf_vegas' CPU path (`hf_vegas.ops.eager`) take the same names and
-signatures (`tests/test_op_contract.py`), so callers pick a module and never branch on which: `dense_attention`,
-`sparse_draft_attention`, `verify_attention` (with the scored rows' logits), `finalize_scores`, `select_topk`,
-`write_kv`. A finished row (`kv_len` 0) reads nothing and outputs zeros. This module imports only torch: it is
-hf_vegas' op path wherever Triton is missing (and is copied into the Hub folder, `hf_vegas.hub`).
+`linear_ops.py`, `top_p.py`, `race.py`). The Triton ops and hf_vegas' CPU path (`hf_vegas.ops.eager`) take the same
+names and signatures (`tests/test_op_contract.py`), so callers pick a module and never branch on which:
+`dense_attention`, `sparse_draft_attention`, `verify_attention` (with the scored rows' logits), `finalize_scores`,
+`select_topk`, `write_kv`. A finished row (`kv_len` 0) reads nothing and outputs zeros. This module imports only torch:
+it is hf_vegas' op path wherever Triton is missing (and is copied into the Hub folder, `hf_vegas.hub`).
 
 Shapes (cache layout "NHD", see `hf_vegas.cache`):
     q           `(B, Hq, T, D)` queries, RoPE applied

@@ -2,7 +2,7 @@
 every norm where they cannot ride in the projections (fp16, or a hidden size no block of 16 divides).
 
 Uncompiled, the model's own RMSNorm is six small PyTorch kernels (compiled, one inductor kernel). Elsewhere a fused
-layer's norms ride in the projections around them (`linear.linear_residual_norm`: the projection before writes the
+layer's norms ride in the projections around them (`linear_ops.linear_residual_norm`: the projection before writes the
 norm's input times its weight and the sums of squares, the one after scales its products per row). Folding the whole
 norm into the projection after it was measured slower on an H100 (SmolLM2 draft step, 64 rows: the q/k/v and gate/up
 launches went from 4.3 to 11.7 us each, as the input tile, scaled in registers, no longer streams into the product).

@@ -1,6 +1,6 @@
 """A fused draft layer's q/k/v projection, rotary embedding and cache write in one launch (`hf_vegas.draft_layers`).
 
-Separately these were two launches per layer (`linear.qkv_linear`, then a rotary + cache-write kernel): 5.9 us at a
+Separately these were two launches per layer (`linear_ops.qkv_linear`, then a rotary + cache-write kernel): 5.9 us at a
 SmolLM2 draft step of 64 rows on an H100 against 4.9 for this one (`benchmarks/projections.py`, commit c911040).
 Here a program owns one head (of the queries, keys or values) for `BLOCK_M` rows: it computes the head's two halves
 as two products that share each input tile, rotates them in fp32 (the `rotate_half` convention:
@@ -101,7 +101,7 @@ def qkv_rope_write(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
     """Project `x` `(B, T, K)` with `wq`, `wk`, `wv` (and biases `bq`, `bk`, `bv`, or None), rotate the queries and
     keys by `cos`, `sin` `(B, T, D)`, write the keys and values of token `t` of row `b` into slot `slots[b, t]` of the
     `(B, S, Hkv, D)` caches (in place) and return the rotated queries `(B, T, Hq, D)`. With `row_sumsq` `(B * T, P)`
-    (`linear.linear_residual_norm`'s), `x` is an RMSNorm's input times its weight and the norm's row factor scales
+    (`linear_ops.linear_residual_norm`'s), `x` is an RMSNorm's input times its weight and the norm's row factor scales
     the projections before their biases (`linear.gated_linear` explains)."""
     batch, tokens, width = x.shape
     if head_dim % 2 or wq.shape != (q_heads * head_dim, width) or wk.shape != (kv_heads * head_dim, width) \
