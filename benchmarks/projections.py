@@ -152,11 +152,10 @@ def sweep(shape: str, rows: int, only: list[str] | None = None, grid: dict | Non
                     continue  # the launcher clamps it to the rows: a duplicate of a smaller block
                 if kind == "qkv_rope" and setting["block_n"] != grid["block_n"][0]:
                     continue  # a program owns one head: no column block to choose
-                for entry in (kind, f"{kind}_large"):  # whichever the launcher takes at this shape
-                    if entry in default:
-                        _launch.LINEAR_TUNING[entry] = setting
+                entry = _tuning_kind(op, rows, sets[0])  # what the launcher takes at this shape ("generic" > 64 rows)
+                _launch.LINEAR_TUNING[entry] = setting
                 records.append(dict(shape=shape, rows=rows, op=op, setting=setting, cublas_us=cublas_us,
-                                    tuning_kind=_tuning_kind(op, rows, sets[0]),
+                                    tuning_kind=entry,
                                     us=graph_time(lambda i: fused(sets[i % n]), n) * 1e6))
             _launch.LINEAR_TUNING.update(default)
     finally:

@@ -95,9 +95,11 @@ class VegasConfig:
         fuse_projections (`bool`, *optional*, defaults to `True`):
             With the Triton backend, draft steps (of at most 512 rows) run each attention layer's q/k/v projections
             as one kernel and each standard gated MLP's gate/up projections and activation as one kernel, for layers
-            with small weights (where this beats cuBLAS). The verification and dense steps, which pick the tokens,
-            keep the model's own projections, so the output does not depend on this option. The weights stay where
-            they are; the model is restored when `generate` returns (see `hf_vegas.fused_projections`).
+            with small weights (where this beats cuBLAS); layers with large weights (over 16 MiB) do so in draft
+            steps of at most 16 rows, where their output and down projections run the same kernel too (it reads
+            them faster than cuBLAS there). The verification and dense steps, which pick the tokens, keep the
+            model's own projections, so the output does not depend on this option. The weights stay where they are;
+            the model is restored when `generate` returns (see `hf_vegas.fused_projections`).
     """
 
     gamma: int | str = 6

@@ -48,7 +48,7 @@ MAX_ROWS = 512
 # `LARGE_WEIGHT_MAX_ROWS` rows: there cuBLAS picks split-K GEMMs (a second, reducing launch) and the kernels read the
 # weights faster (Qwen3-8B at 4 rows: q/k/v 31.9 -> 21.2 us, gate/up 82.2 -> 74.1; at 16 rows 34.6 -> 21.4 and
 # 81.2 -> 74.4; H100, commit b725a73, benchmarks/results/projections.jsonl).
-MAX_WEIGHT_BYTES = 16 << 20
+MAX_WEIGHT_BYTES = 16 << 20  # (as `hf_vegas_kernels._launch.LINEAR_LARGE_WEIGHT_BYTES`, where their settings change)
 LARGE_WEIGHT_MAX_ROWS = 16
 
 # The forward of a standard gated MLP, whitespace removed (Llama, Mistral, Qwen2/3, Gemma-3 and their kin).

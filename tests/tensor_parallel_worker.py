@@ -133,7 +133,17 @@ def _fused_projections_run(model, ids, common) -> dict:
         with fused_projections(model):
             fused = [module(x) for module in modules]
     error = max((a.float() - b.float()).abs().max().item() for a, b in zip(fused, expected))
-    return dict(greedy=out.tolist(), calls=calls, restored=restored, projection_error=error,
+    # Weights counted as large: the row-parallel output and down projections (their forward sums the ranks' partial
+    # products) must keep it, while a plain one would take the single-projection kernel.
+    from hf_vegas import fused_projections as fused_module
+
+    limit, fused_module.MAX_WEIGHT_BYTES = fused_module.MAX_WEIGHT_BYTES, 0
+    try:
+        with fused_projections(model) as large_counts:
+            pass
+    finally:
+        fused_module.MAX_WEIGHT_BYTES = limit
+    return dict(greedy=out.tolist(), calls=calls, restored=restored, projection_error=error, large_counts=large_counts,
                 tensor_parallel_forwards=sum(own is not None for own in owns.values()))
 
 

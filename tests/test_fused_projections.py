@@ -42,10 +42,14 @@ def test_prefill_sized_forwards_keep_the_plain_projections(monkeypatch):
     assert calls == ["qkv"] * model.config.num_hidden_layers, "a prefill of more than MAX_ROWS rows uses cuBLAS"
 
 
-def test_the_model_is_restored_after_an_exception():
+def test_the_model_is_restored_after_an_exception(monkeypatch):
+    from hf_vegas import fused_projections as module
+
+    monkeypatch.setattr(module, "MAX_WEIGHT_BYTES", 0)  # "large" weights: the output projections are patched too
     model = tiny_model("qwen3")
     with pytest.raises(RuntimeError, match="inside"):
-        with fused_projections(model):
+        with fused_projections(model) as counts:
+            assert counts["output"] == 2 * model.config.num_hidden_layers
             raise RuntimeError("inside")
     assert not any("forward" in vars(m) for m in model.modules())
 
@@ -92,24 +96,32 @@ def test_layers_with_large_weights_use_the_kernels_only_for_the_fewest_rows(monk
     assert not any("forward" in vars(m) for m in model.modules()), "the output projections are restored too"
 
 
-def test_only_draft_steps_use_the_fused_kernels(monkeypatch):
+@pytest.mark.parametrize("large", [False, True], ids=["small-weights", "large-weights"])
+def test_only_draft_steps_use_the_fused_kernels(monkeypatch, large):
     """Verification and dense steps pick the tokens: they keep the model's own projections (the kernels round
     differently), so the output does not depend on the fusion."""
+    from hf_vegas import fused_projections as module
     from hf_vegas.attention import _ACTIVE
     from tiny_models import ragged_batch
 
-    modes = []
-    original = kernels.qkv_linear
-    monkeypatch.setattr(kernels, "qkv_linear", lambda *args: modes.append(_ACTIVE.cache.plan.mode) or original(*args))
+    if large:  # the output and down projections take the kernel too (in steps of at most 16 rows)
+        monkeypatch.setattr(module, "MAX_WEIGHT_BYTES", 0)
+    modes = {"qkv_linear": [], "linear_op": []}
+    for name in modes:
+        original = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *args, name=name, original=original: modes[name].append(
+            _ACTIVE.cache.plan.mode) or original(*args))
     model, (ids, mask) = tiny_model("qwen3").to(DEVICE), (t.to(DEVICE) for t in ragged_batch([30, 21]))
     common = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, custom_generate="vegas",
                   vegas_backend="triton", vegas_cuda_graphs=False)
     fused = model.generate(ids, **common, vegas_gamma=3)
-    assert modes and set(modes) == {"draft"}
+    assert modes["qkv_linear"] and set(modes["qkv_linear"]) == {"draft"}
+    assert set(modes["linear_op"]) == ({"draft"} if large else set()), modes["linear_op"]
     assert torch.equal(fused, model.generate(ids, **common, vegas_gamma=3, vegas_fuse_projections=False))
-    modes.clear()
+    for seen in modes.values():
+        seen.clear()
     model.generate(ids, **common, vegas_gamma=0)
-    assert modes == [], "the dense path never drafts"
+    assert modes == {"qkv_linear": [], "linear_op": []}, "the dense path never drafts"
 
 
 def test_inputs_the_kernels_cannot_take_run_the_plain_projections(monkeypatch):

@@ -148,6 +148,8 @@ def _opcheck_cases():
                         {}),
         "write_kv": ((case.k.clone(), case.v.clone(), key, key.clone(), case.q_slot.contiguous()), {}),
         "rms_norm": ((torch.randn(5, 32, device=DEVICE), torch.randn(32, device=DEVICE), 1e-6), {}),
+        "linear": ((torch.randn(5, 32, device=DEVICE), torch.randn(48, 32, device=DEVICE),
+                    torch.randn(48, device=DEVICE)), {}),
         "linear_residual": ((torch.randn(5, 32, device=DEVICE), torch.randn(48, 32, device=DEVICE),
                              torch.randn(5, 48, device=DEVICE)), {}),
         "linear_residual_norm_into": ((torch.randn(5, 32, device=DEVICE), torch.randn(48, 32, device=DEVICE),
@@ -167,7 +169,7 @@ def _opcheck_cases():
 
 
 @pytest.mark.parametrize("name", ["sparse_draft_attention", "dense_attention", "verify_attention", "finalize_scores",
-                                  "select_topk", "write_kv", "rms_norm", "linear_residual",
+                                  "select_topk", "write_kv", "rms_norm", "linear", "linear_residual",
                                   "linear_residual_norm_into", "gated_linear", "qkv_rope_write",
                                   "rotary_tables"])
 def test_custom_ops_have_true_fakes_and_declared_mutations(name):

@@ -84,7 +84,9 @@ LINEAR_TUNING = {
 # tiles of the gated kernel, take fewer stages instead of failing to launch.
 LINEAR_SHARED_BYTES = 160 << 10
 LINEAR_TUNED_ROWS = 64
-# Above this many weight bytes a launch of at most LINEAR_TUNED_ROWS rows takes its kind's "_large" setting.
+# Above this many weight bytes a launch of at most LINEAR_TUNED_ROWS rows takes its kind's "_large" setting (the same
+# line as hf_vegas.fused_projections.MAX_WEIGHT_BYTES, above which a draft's output and down projections take the
+# kernel: in those it runs the "linear_large" setting).
 LINEAR_LARGE_WEIGHT_BYTES = 16 << 20
 
 # Warps per program of the in-register top-k selection (`select.py`, one program per (layer, row)); 0: 4 for rows of

@@ -271,6 +271,6 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
 
 def norm_partials(rows: int, size: int, x: torch.Tensor) -> int:
     """Partial sums of squares per row that `linear_residual_norm` writes for `rows` outputs of `size` from `x`'s
-    dtype and device: one per column block."""
+    dtype, width and device: one per column block (of the launch setting those choose)."""
     setting = _setting("linear", rows, [size], x.element_size(), x.shape[-1])
     return triton.cdiv(size, _column_block(setting, [size], x.device))
