@@ -100,12 +100,16 @@ def _plain_linears(*modules) -> bool:
     return _linear_parts(*modules) is not None and all("forward" not in vars(m) for m in modules)
 
 
+def _large(*weights) -> bool:
+    """Whether one launch over these weights reads more than `MAX_WEIGHT_BYTES`."""
+    return sum(w.numel() * w.element_size() for w in weights) > MAX_WEIGHT_BYTES
+
+
 def _max_rows(*weights) -> int:
     """The most rows a forward may have for projections of these weights to run as one kernel: all draft-sized
     forwards for small weights, only the smallest for weights that cuBLAS reads at full bandwidth from a few more
     rows on."""
-    small = sum(w.numel() * w.element_size() for w in weights) <= MAX_WEIGHT_BYTES
-    return MAX_ROWS if small else LARGE_WEIGHT_MAX_ROWS
+    return LARGE_WEIGHT_MAX_ROWS if _large(*weights) else MAX_ROWS
 
 
 def _use_kernel(x: torch.Tensor, weight: torch.Tensor, active, max_rows: int) -> bool:
@@ -169,8 +173,7 @@ def _fuse_single(module, name: str, kernels, active) -> list[tuple[nn.Module, ob
     if parts is None:
         return None
     ((weight, bias),) = parts
-    if weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES or kernels.linear.block_n_for(
-            weight.shape[0]) is None:
+    if not _large(weight) or kernels.linear.block_n_for(weight.shape[0]) is None:
         return None
     own = projection.forward
 
@@ -238,7 +241,7 @@ def fused_projections(model, active=lambda: True):
     # Only the language model's layers run in draft steps (a multimodal class's vision tower never does).
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     try:
-        for module in list(decoder.modules()):
+        for module in decoder.modules():
             for kind, fuse, single in (("attention", _fuse_attention, "o_proj"), ("mlp", _fuse_mlp, "down_proj")):
                 done = fuse(module, kernels, active)
                 if done:
