@@ -258,6 +258,29 @@ def test_sparse_drafts_with_wide_heads_take_their_own_launch_setting(monkeypatch
         _assert_close(got, naive.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
 
 
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("rows,head_dim", [(4, 128), (3, 128), (4, 64)])
+def test_dense_and_verify_over_many_wide_head_pairs_take_their_own_launch_setting(monkeypatch, combine_launches,
+                                                                                  tokens, rows, head_dim):
+    """head_dim >= 128 over at least 32 (row, KV head) pairs (4 rows x 8 KV heads) reads `_launch.TUNING`'s
+    "dense_wide_head" (one query token) or "verify_wide_head"; 3 rows, or narrower heads, the plain kinds. The kind
+    whose setting splits without merging in the kernel is the one that launches the combine."""
+    case = make_case([40, 9, 33, 17][:rows], [tokens + 1] * rows, tokens, head_dim, 16, 8, seed=3)
+    dense_ok = dense_readable(case)
+    plain = "dense" if tokens == 1 else "verify"
+    own = plain + "_wide_head" if head_dim >= 128 and rows * 8 >= 32 else plain
+    for split_kind in (plain, plain + "_wide_head"):
+        for kind in (plain, plain + "_wide_head"):
+            monkeypatch.setitem(_launch.TUNING, kind, {"block_n": 16, "num_warps": 4, "num_stages": 1, "waves": 8,
+                                                       "fused_combine": kind != split_kind})
+        combine_launches.clear()
+        got = kernels.dense_attention(case.q, poisoned(case.k, dense_ok), poisoned(case.v, dense_ok), case.q_slot,
+                                      case.kv_len, case.scaling)
+        assert len(combine_launches) == (split_kind == own), f"{split_kind} split, {own} expected"
+        _assert_close(got, naive.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling),
+                      torch.float32)
+
+
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", [HEADS[1], HEADS[3]])
 @pytest.mark.parametrize("tokens", [1, 7])
 def test_one_split_writes_what_the_combine_would(monkeypatch, combine_launches, head_dim, q_heads, kv_heads, tokens):

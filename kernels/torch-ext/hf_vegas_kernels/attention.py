@@ -314,10 +314,9 @@ def attend(
     sparse = sel_idx is not None
     if sparse:
         kind = "sparse_wide_head" if block_d >= 128 else "sparse"
-    elif num_tokens == 1:
-        kind = "dense"
-    else:
-        kind = "verify_wide_head" if block_d >= 128 and batch * kv_heads >= 32 else "verify"
+    else:  # head_dim 128 lists over many (row, KV head) pairs take settings of their own (`_launch.TUNING`)
+        wide = block_d >= 128 and batch * kv_heads >= 32
+        kind = ("dense" if num_tokens == 1 else "verify") + ("_wide_head" if wide else "")
     tuning = _launch.TUNING[kind]
     block_n = tuning["block_n"] if max(block_d, block_dv) <= 128 else 32
     stages = tuning["num_stages"]
