@@ -532,3 +532,17 @@ def test_split_counts_round_to_the_nearest_where_asked():
     assert _num_splits(580, pairs, 128, 2, device)[0] == 2
     assert _num_splits(580, 1, 128, 2, device, nearest=True) == (5, 128), "at most one split per block"
     assert _num_splits(580, pairs, 128, 0, device) == (1, 640)
+
+
+def test_split_counts_round_up_to_the_nearest_or_down():
+    """`waves` 2 over 128 (row, KV head) pairs on 132 SMs wants 2.06 splits: 3 rounded up, 2 to the nearest or down;
+    over 32 pairs 8.25: 9, 8, 8; over 200 pairs 1.32: 2, 1, 1. Never fewer than one split, nor more than the list
+    has blocks."""
+    cuda = torch.device("cuda", 0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_launch, "device_sm_count", lambda device: 132)
+        for pairs, up, nearest, down in ((128, 3, 2, 2), (32, 9, 8, 8), (200, 2, 1, 1), (1000, 1, 1, 1)):
+            assert _num_splits(32768, pairs, 64, 2, cuda)[0] == up
+            assert _num_splits(32768, pairs, 64, 2, cuda, nearest=True)[0] == nearest
+            assert _num_splits(32768, pairs, 64, 2, cuda, at_most=True)[0] == down
+        assert _num_splits(100, 32, 64, 2, cuda, at_most=True)[0] == 2  # two blocks of 64

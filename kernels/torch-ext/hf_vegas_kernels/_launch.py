@@ -38,26 +38,26 @@ import torch
 # instead of the combine launch was slower at 16 x 32K on an H200 (f4a80ab, the command under SELECT_TUNING, in a
 # second process beside the defaults' on the same machine): draft steps of 8.60 and 8.76 ms against 8.17.
 #
-# The "_wide_head" dense and verify kinds (head_dim 128, at least 32 (row, KV head) pairs) and the wide-head drafts
-# round their split count to the nearest: a kernel that keeps about two programs per SM is slowest where its programs
-# fill one more wave only in part (16 x 32K, 128 pairs: 3 and 9 splits are the slow ones), and one program per SM
-# streaming a long list reaches the read bandwidth. Verification with softmax-weight scores at 16 x 32K took 854 us at
-# 9 splits (8 waves, rounded up), 807 at 1 split, 797-800 at 6, 8 or 12; at 4 x 32K 221 us at 33 splits, 213 at 4;
-# dense decode 201 -> 181 us at 4 x 32K (4 splits, not 33), 706 -> 697 at 16 x 32K (1, not 3); a 2.3K-slot draft at
-# 16 rows 66 -> 60 us at 2 splits, not 3 (the same at 4.6K slots: 117 -> 111). (H100, commit 9c23e1d, a one-off probe
-# that forced each split count.) In `kernel_bandwidth.py --shapes qwen3-8b --batches 4 16 --contexts 32768 --boost 2`
-# beside `--tuning verify_wide_head:waves=8 verify_wide_head:nearest=0 dense_wide_head:waves=2
-# dense_wide_head:nearest=0 sparse_wide_head:nearest=0` (the previous settings; H100, same call): verification with
-# weights 838.7 -> 793.8 us at 16 rows and 223.9 -> 213.8 at 4, dense 710.3 -> 704.4 and 193.7 -> 185.8.
+# The "_wide_head" dense and verify kinds (head_dim 128, at least 32 (row, KV head) pairs) fill the GPU with at most
+# two programs per SM (`at_most`: the split count rounds down), and the wide-head drafts round theirs to the nearest:
+# these kernels keep about two programs per SM, and are slowest where their programs fill one more wave only in part.
+# Verification with softmax-weight scores on an H200 (a one-off probe forcing each split count, commit 9c23e1d): at
+# 16 x 32K (128 pairs) 574 us at 2 splits, 587-600 at 4, 6 or 8, but 638 at 9 (the previous setting, 8 waves rounded
+# up), 742 at 3, 679 at 5 and 779 at 1; at 4 x 32K 161 us at 8 splits against 174 at 33 (the previous) and 209 at 4.
+# Dense decode moved by less than 2 % with the split count at either batch. A 2.3K-slot draft at 16 rows took 46.0 us
+# at 2 splits against 50.0 at 3 (4.6K slots: 81.2 against 85.0). On an H100 the same counts were as good as or
+# better than the previous: verification 854 -> 827 us at 16 x 32K, 221 -> 219 at 4 x 32K, dense 201 -> 184 at
+# 4 x 32K; one program per SM was better still there (807, 213, 181) but on the H200 it left bandwidth unused.
+# Merging the splits in the kernel (`fused_combine`) made the verification slower at every count on the H200.
 TUNING = {
     "sparse": {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 2, "nearest": True, "fused_combine": True,
                "fused_combine_max_splits": 2},
     "sparse_wide_head": {"block_n": 128, "num_warps": 4, "num_stages": 2, "waves": 2, "nearest": True},
     "dense": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "fused_combine": True},
-    "dense_wide_head": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 1, "nearest": True,
+    "dense_wide_head": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "at_most": True,
                         "fused_combine": True},
     "verify": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "fused_combine": True},
-    "verify_wide_head": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 1, "nearest": True},
+    "verify_wide_head": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "at_most": True},
 }
 # The in-kernel merge reads the splits one after the other: past this many (or a kind's `fused_combine_max_splits`),
 # the combine launch (parallel over query rows, vectorised over splits) is used instead.

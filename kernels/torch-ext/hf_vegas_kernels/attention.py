@@ -271,9 +271,10 @@ def emit_dtype(q_dtype: torch.dtype) -> torch.dtype:
 
 
 def _num_splits(list_len: int, programs: int, block_n: int, waves: float, device, nearest: bool = False,
-                split_len: int | None = None):
-    """(splits, chunk): enough programs to fill the GPU `waves` times (rounded up, or to the nearest count), each
-    chunk a multiple of the block; `waves` 0: one split per (row, KV head). One split writes the output itself.
+                split_len: int | None = None, at_most: bool = False):
+    """(splits, chunk): enough programs to fill the GPU `waves` times (rounded up, to the nearest count, or down with
+    `at_most`: no more programs than `waves` fill), each chunk a multiple of the block; `waves` 0: one split per
+    (row, KV head). One split writes the output itself.
     `split_len`: at least enough splits that none spans more than `split_len` entries (rounded up to blocks)."""
     blocks = max(triton.cdiv(max(list_len, 1), block_n), 1)
     fewest = 1 if split_len is None else triton.cdiv(blocks, max(triton.cdiv(split_len, block_n), 1))
@@ -281,7 +282,7 @@ def _num_splits(list_len: int, programs: int, block_n: int, waves: float, device
         want = 1
     else:
         wanted = waves * _launch.device_sm_count(device) / programs
-        want = max(round(wanted) if nearest else math.ceil(wanted), 1)
+        want = max(math.floor(wanted) if at_most else round(wanted) if nearest else math.ceil(wanted), 1)
     splits = min(max(want, fewest), blocks)
     chunk = triton.cdiv(blocks, splits) * block_n
     return triton.cdiv(blocks * block_n, chunk), chunk
@@ -327,7 +328,7 @@ def attend(
     q = q if q.stride(-1) == 1 else q.contiguous()
     device = q.device
     splits, chunk = _num_splits(list_len, batch * kv_heads, block_n, tuning["waves"], device,
-                                tuning.get("nearest", False), split_len)
+                                tuning.get("nearest", False), split_len, tuning.get("at_most", False))
 
     f32 = {"dtype": torch.float32, "device": device}
     out = _launch.empty(batch, num_tokens, q_heads, v_dim, dtype=q.dtype, device=device)
