@@ -43,13 +43,13 @@ import torch
 # these kernels keep about two programs per SM, and are slowest where their programs fill one more wave only in part.
 # Forcing each split count (`benchmarks/attention_splits.py`, whose first version ran out of the tree; records in
 # benchmarks/results/attention_splits.jsonl; H200 at 8aca627, H100 at 9c23e1d, the same kernels), verification with
-# softmax-weight scores on the H200 at 16 x 32K (128 pairs) took 574 us at 2 splits, 587-600 at 4, 6 or 8, but 638
-# at 9 (the previous setting, 8 waves rounded up), 742 at 3, 679 at 5 and 779 at 1; at 4 x 32K 161 us at 8 splits
-# against 174 at 33 (the previous) and 209 at 4.
+# softmax-weight scores on the H200 at 16 x 32K (128 pairs) took 575 us at 2 splits, 590-601 at 4, 6 or 8, but 642
+# at 9 (the previous setting, 8 waves rounded up), 745 at 3, 681 at 5 and 781 at 1; at 4 x 32K 161 us at 8 splits
+# against 174 at 33 (the previous) and 210 at 4 (the slower of two rounds).
 # Dense decode moved by less than 2 % with the split count at either batch. A 2.3K-slot draft at 16 rows took 46.0 us
 # at 2 splits against 50.0 at 3 (4.6K slots: 81.2 against 85.0). On an H100 the same counts were as good as or
-# better than the previous: verification 854 -> 827 us at 16 x 32K, 221 -> 219 at 4 x 32K, dense 201 -> 184 at
-# 4 x 32K; one program per SM was better still there (807, 213, 181) but on the H200 it left bandwidth unused.
+# better than the previous: verification 853 -> 827 us at 16 x 32K, 221 -> 220 at 4 x 32K, dense 201 -> 184 at
+# 4 x 32K; one program per SM was better still there (811, 213, 181) but on the H200 it left bandwidth unused.
 # Merging the splits in the kernel (`fused_combine`) made the verification slower at every count on the H200.
 TUNING = {
     "sparse": {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 2, "nearest": True, "fused_combine": True,
