@@ -97,9 +97,10 @@ class VegasConfig:
             as one kernel and each standard gated MLP's gate/up projections and activation as one kernel, for layers
             with small weights (where this beats cuBLAS); layers with large weights (over 16 MiB) do so in draft
             steps of at most 16 rows, where their output and down projections run the same kernel too (it reads
-            them faster than cuBLAS there). The verification and dense steps, which pick the tokens, keep the
-            model's own projections, so the output does not depend on this option. The weights stay where they are;
-            the model is restored when `generate` returns (see `hf_vegas.fused_projections`).
+            them faster than cuBLAS there; under tensor parallelism each rank's partial product, which transformers
+            then sums over the ranks as its own forward does). The verification and dense steps, which pick the
+            tokens, keep the model's own projections, so the output does not depend on this option. The weights stay
+            where they are; the model is restored when `generate` returns (see `hf_vegas.fused_projections`).
     """
 
     gamma: int | str = 6

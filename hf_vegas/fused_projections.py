@@ -10,15 +10,17 @@ cuBLAS, which a draft may (it only decides how many tokens are accepted, never w
 dense steps, whose logits pick the tokens, must not: they keep the model's own projections.
 
 Under transformers' tensor parallelism (`tp_plan="auto"`) q/k/v and gate/up are column-parallel: each rank computes
-its own output columns from its shard of the weights, and the kernels do the same from the same shards (the
-row-parallel output and down projections keep their forward, which sums the ranks' partial products).
+its own output columns from its shard of the weights, and the kernels do the same from the same shards.
 
 A layer whose q/k/v or gate/up are fused also runs its output (`o_proj`) or down (`down_proj`) projection through
 the kernel (`hf_vegas_kernels.linear_op`) where its weight is large (over `MAX_WEIGHT_BYTES`), in forwards of at most
 `LARGE_WEIGHT_MAX_ROWS` rows: no launch is saved there, but the kernel reads such a weight faster than cuBLAS does
 from a few rows (Qwen3-8B at 16 rows on an H200, commit b89507d: 11.4 against 14.1 us, 28.2 against 31.2;
 `_launch.LINEAR_TUNING`'s "linear_large"). Small single projections keep cuBLAS, which is as fast there. Under
-tensor parallelism those two are row-parallel (their forward sums the ranks' products) and keep their forward.
+tensor parallelism those two are row-parallel: where a rank's shard is large, the kernel computes its partial product
+and transformers' own method (`RowwiseParallel.transform_output_post_forward`) sums the ranks' and adds the bias, as
+the forward it replaces does (at one rank's tp2 shards of Qwen3-8B the kernel's best settings read the down
+projection in 15.4 against cuBLAS' 18.7 us: H200, 2f97021, `projections.py --sweep --shapes qwen3-8b-tp2`).
 
 The weights are read where they are (no fused copy, no extra memory) and the model is changed only by instance-level
 `forward` attributes, put back as they were when the block exits (none, or transformers' tensor-parallel forward),
@@ -167,23 +169,38 @@ def _fuse_attention(module, kernels, active) -> list[tuple[nn.Module, object]] |
 
 def _fuse_single(module, name: str, kernels, active) -> list[tuple[nn.Module, object]] | None:
     """`module`'s projection `name` (`o_proj`, `down_proj`) as one launch of the tuned kernel in draft forwards of at
-    most `LARGE_WEIGHT_MAX_ROWS` rows, if it is a plain `nn.Linear` (not a tensor-parallel one) of a large weight."""
+    most `LARGE_WEIGHT_MAX_ROWS` rows, if it is a plain `nn.Linear` of a large weight, or a row-parallel one under
+    tensor parallelism whose shard is large (the kernel computes this rank's partial product; transformers' own
+    method then sums the ranks' and adds the bias)."""
     projection = getattr(module, name, None)
-    parts = None if projection is None or "forward" in vars(projection) else _linear_parts(projection)
-    if parts is None:
-        return None
-    ((weight, bias),) = parts
-    if not _large(weight) or kernels.linear.block_n_for(weight.shape[0]) is None:
+    if projection is None:
         return None
     own = projection.forward
+    row_parallel = compat.row_parallel_shard(projection) if "forward" in vars(projection) else None
+    plain_module = type(projection) is nn.Linear and not (projection._forward_hooks or projection._forward_pre_hooks)
+    if row_parallel is not None and plain_module:
+        weight, style, mesh = row_parallel
+        bias = None  # added after the sum, by `transform_output_post_forward`
+    else:
+        parts = None if "forward" in vars(projection) else _linear_parts(projection)
+        if parts is None:
+            return None
+        ((weight, bias),) = parts
+    if weight.stride(-1) != 1 or not _large(weight) or kernels.linear.block_n_for(weight.shape[0]) is None:
+        return None
 
     def forward(x):
         if not _use_kernel(x, weight, active, LARGE_WEIGHT_MAX_ROWS):
             return own(x)
-        return kernels.linear_op(x, weight, bias)
+        if row_parallel is None:
+            return kernels.linear_op(x, weight, bias)
+        # transformers' local fast path, as its forward takes it: no gradients, a plain input of this rank's columns
+        if torch.is_grad_enabled() or _distributed(x) or x.shape[-1] != weight.shape[1]:
+            return own(x)
+        return style.transform_output_post_forward(projection, kernels.linear_op(x, weight, None), mesh)
 
     projection.forward = forward
-    return [(projection, None)]
+    return [(projection, own if row_parallel is not None else None)]  # (None: the class's forward again)
 
 
 def _gated_mlp_activation(module) -> str | None:

@@ -97,13 +97,17 @@ def _compiled_trace(model, ids) -> dict:
 
 def _fused_projections_run(model, ids, common) -> dict:
     """Vegas greedy on the Triton backend (on the CPU in Triton's interpreter), whose draft steps run each attention's
-    column-parallel q/k/v and each MLP's gate/up as one kernel over this rank's shards: how many times each kernel ran
-    (counted as the steps run eagerly and are captured), and whether every projection has its tensor-parallel forward
-    back afterwards."""
+    column-parallel q/k/v and each MLP's gate/up as one kernel over this rank's shards, and, with every weight counted
+    as large, each row-parallel output and down projection's partial product through the single-projection kernel
+    (transformers' own method then sums the ranks'): how many times each kernel ran (counted as the steps run eagerly
+    and are captured), and whether every projection has its tensor-parallel forward back afterwards."""
     import hf_vegas_kernels
 
+    from hf_vegas import fused_projections as fused_module
+    from hf_vegas.fused_projections import fused_projections
+
     owns = {name: vars(module).get("forward") for name, module in model.named_modules()}
-    calls = {"qkv_linear": 0, "gated_linear_op": 0}
+    calls = {"qkv_linear": 0, "gated_linear_op": 0, "linear_op": 0}
     originals = {name: getattr(hf_vegas_kernels, name) for name in calls}
 
     def counted(name):
@@ -114,36 +118,31 @@ def _fused_projections_run(model, ids, common) -> dict:
 
     for name in calls:
         setattr(hf_vegas_kernels, name, counted(name))
+    limit, fused_module.MAX_WEIGHT_BYTES = fused_module.MAX_WEIGHT_BYTES, 0  # (drafts of 3 rows: at most 16)
     try:
         out = model.generate(ids, **common, do_sample=False, **VEGAS, vegas_backend="triton")
-    finally:
-        for name, kernel in originals.items():
-            setattr(hf_vegas_kernels, name, kernel)
-    restored = all(vars(module).get("forward") is owns[name] for name, module in model.named_modules())
-    # The kernels' products are the ones transformers' forwards compute from the same shards (a wrong slice or a
-    # dropped bias would only lower the acceptance above, never change a token).
-    from hf_vegas.fused_projections import fused_projections
-
-    layer = model.model.layers[0]
-    modules = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp)
-    x = torch.randn(3, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(model.device,
-                                                                                                model.dtype)
-    with torch.no_grad():
-        expected = [module(x) for module in modules]
-        with fused_projections(model):
-            fused = [module(x) for module in modules]
-    error = max((a.float() - b.float()).abs().max().item() for a, b in zip(fused, expected))
-    # Weights counted as large: the row-parallel output and down projections (their forward sums the ranks' partial
-    # products) must keep it, while a plain one would take the single-projection kernel.
-    from hf_vegas import fused_projections as fused_module
-
-    limit, fused_module.MAX_WEIGHT_BYTES = fused_module.MAX_WEIGHT_BYTES, 0
-    try:
-        with fused_projections(model) as large_counts:
-            pass
+        restored = all(vars(module).get("forward") is owns[name] for name, module in model.named_modules())
+        # The kernels' products are the ones transformers' forwards compute from the same shards, the row-parallel
+        # ones summed over the ranks (a wrong slice, a dropped bias or a missing sum would only lower the acceptance
+        # above, never change a token).
+        layer = model.model.layers[0]
+        modules = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp,
+                   layer.self_attn.o_proj, layer.mlp.down_proj)
+        generator = torch.Generator().manual_seed(2)
+        inputs = [torch.randn(3, 1, width, generator=generator).to(model.device, model.dtype)
+                  for width in [model.config.hidden_size] * 4 + [layer.self_attn.o_proj.weight.to_local().shape[1],
+                                                                 layer.mlp.down_proj.weight.to_local().shape[1]]]
+        with torch.no_grad():
+            expected = [module(x) for module, x in zip(modules, inputs)]
+            with fused_projections(model) as large_counts:
+                fused = [module(x) for module, x in zip(modules, inputs)]
     finally:
         fused_module.MAX_WEIGHT_BYTES = limit
-    return dict(greedy=out.tolist(), calls=calls, restored=restored, projection_error=error, large_counts=large_counts,
+        for name, kernel in originals.items():
+            setattr(hf_vegas_kernels, name, kernel)
+    errors = [(a.float() - b.float()).abs().max().item() for a, b in zip(fused, expected)]
+    return dict(greedy=out.tolist(), calls=calls, restored=restored, projection_error=max(errors[:4]),
+                row_parallel_error=max(errors[4:]), large_counts=large_counts,
                 tensor_parallel_forwards=sum(own is not None for own in owns.values()))
 
 

@@ -355,3 +355,32 @@ def test_column_parallel_shard_takes_only_transformers_column_parallel_forward()
 
     linear.forward = tp_forward
     assert compat.column_parallel_shard(linear) is None
+
+
+def test_row_parallel_shard_is_the_partial_product_transformers_row_parallel_forward_sums(one_rank_mesh):
+    """The kernels hand `row_parallel_shard`'s weight times the input to the style's own output method, which sums the
+    ranks' products and adds the bias: on one rank that is the forward's result. Other styles, a layer wrapped before
+    transformers' forward, and a plain linear have no row-parallel shard."""
+    name = "TensorParallelLayer.install_forward (tp_forward's closure) and RowwiseParallel"
+    from torch.distributed.tensor import Replicate, Shard
+    from transformers.distributed.tensor_parallel import ColwiseParallel, RowwiseParallel
+
+    linear = _parallel_linear(RowwiseParallel(), one_rank_mesh)
+    found = compat.row_parallel_shard(linear)
+    assert found is not None, changed(name, "no longer gives a row-parallel linear's shard, style and mesh")
+    weight, style, mesh = found
+    assert type(weight) is not type(linear.weight) and weight.shape == (4, 8) and mesh is one_rank_mesh
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        partial = torch.nn.functional.linear(x, weight)
+        torch.testing.assert_close(style.transform_output_post_forward(linear, partial, mesh), linear(x))
+    assert compat.row_parallel_shard(_parallel_linear(RowwiseParallel(), one_rank_mesh, bias=False)) is not None
+    for style in (ColwiseParallel(), RowwiseParallel(output_layouts=Shard(-1)),
+                  RowwiseParallel(input_layouts=Replicate())):
+        assert compat.row_parallel_shard(_parallel_linear(style, one_rank_mesh)) is None, type(style).__name__
+    wrapped = torch.nn.Linear(8, 4)
+    wrapped.forward = lambda x, _wrapped=wrapped: torch.nn.functional.linear(x, _wrapped.weight) * 2
+    RowwiseParallel().shard_param(wrapped, "weight", one_rank_mesh)
+    RowwiseParallel().install_forward(wrapped, one_rank_mesh)
+    assert compat.row_parallel_shard(wrapped) is None
+    assert compat.row_parallel_shard(torch.nn.Linear(8, 4)) is None

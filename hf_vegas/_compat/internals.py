@@ -171,22 +171,16 @@ def tensor_parallel_module():
     return module
 
 
-def column_parallel_shard(linear) -> tuple | None:
-    """(weight, bias) of this rank's shard if `linear` is an `nn.Linear` that transformers' tensor parallelism made
-    column-parallel with a local, column-sharded output (`ColwiseParallel`, exactly: replicated input, output
-    `Shard(-1)` handed on as a plain tensor), else None.
-
-    Such a layer's `forward` is an instance attribute, `TensorParallelLayer.install_forward`'s `tp_forward`, a closure
-    over the layer style (`self`) and the module (5.17.0 and 5.24.0). Without gradients and on a plain input it is
-    `F.linear` with the local weight and bias (`ColwiseParallel`'s "inference fast path"), whose output columns are
-    this rank's: the same product a kernel computes from the shard."""
+def _tensor_parallel_forward(linear, style_name: str) -> tuple | None:
+    """(layer style, mesh) if `linear`'s forward is transformers' tensor-parallel one (`TensorParallelLayer.
+    install_forward`'s `tp_forward`, a closure over the style (`self`), the module, the mesh and the forward it wraps:
+    5.17.0 and 5.24.0) of the style class `style_name` exactly, wrapping `nn.Linear`'s own forward; else None."""
     forward = vars(linear).get("forward")
     code = getattr(forward, "__code__", None)
     if code is None or code.co_name != "tp_forward" or forward.__closure__ is None:
         return None
     try:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-        from transformers.distributed.tensor_parallel import ColwiseParallel
+        from transformers.distributed import tensor_parallel
     except ImportError:
         return None
     try:
@@ -194,13 +188,30 @@ def column_parallel_shard(linear) -> tuple | None:
     except ValueError:  # an empty cell
         return None
     style, wrapped = captured.get("self"), captured.get("original_forward")
-    if type(style) is not ColwiseParallel or captured.get("module") is not linear or not style.use_local_output:
+    if type(style) is not getattr(tensor_parallel, style_name, None) or captured.get("module") is not linear:
         return None
     # the forward it wraps must be nn.Linear's own (not another instance forward installed before it)
     if (getattr(wrapped, "__func__", None) is not type(linear).forward
             or getattr(wrapped, "__self__", None) is not linear):
         return None
-    if style.input_layouts != Replicate() or style.output_layouts != Shard(-1):
+    return style, captured.get("mesh")
+
+
+def column_parallel_shard(linear) -> tuple | None:
+    """(weight, bias) of this rank's shard if `linear` is an `nn.Linear` that transformers' tensor parallelism made
+    column-parallel with a local, column-sharded output (`ColwiseParallel`, exactly: replicated input, output
+    `Shard(-1)` handed on as a plain tensor), else None.
+
+    Without gradients and on a plain input its forward is `F.linear` with the local weight and bias
+    (`ColwiseParallel`'s "inference fast path"), whose output columns are this rank's: the same product a kernel
+    computes from the shard."""
+    found = _tensor_parallel_forward(linear, "ColwiseParallel")
+    if found is None:
+        return None
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    style = found[0]
+    if not style.use_local_output or style.input_layouts != Replicate() or style.output_layouts != Shard(-1):
         return None
     weight, bias = linear.weight, linear.bias
     if not isinstance(weight, DTensor) or weight.placements != (Shard(0),):
@@ -208,3 +219,27 @@ def column_parallel_shard(linear) -> tuple | None:
     if bias is not None and (not isinstance(bias, DTensor) or bias.placements != (Shard(0),)):
         return None
     return weight.to_local(), None if bias is None else bias.to_local()
+
+
+def row_parallel_shard(linear) -> tuple | None:
+    """(weight shard, layer style, mesh) if `linear` is an `nn.Linear` that transformers' tensor parallelism made
+    row-parallel (`RowwiseParallel`, exactly: input `Shard(-1)`, output `Replicate()`; weight sharded over its input
+    columns, bias replicated or none), else None.
+
+    Without gradients, on a plain input, its forward is `F.linear` of the input (this rank's columns) with the local
+    weight and no bias, then `style.transform_output_post_forward(linear, partial, mesh)`: the all-reduce over the
+    ranks, then the bias. A kernel may compute the partial product and hand it to the same method."""
+    found = _tensor_parallel_forward(linear, "RowwiseParallel")
+    if found is None:
+        return None
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    style, mesh = found
+    if mesh is None or style.input_layouts != Shard(-1) or style.output_layouts != Replicate():
+        return None
+    weight, bias = linear.weight, linear.bias
+    if not isinstance(weight, DTensor) or weight.ndim != 2 or weight.placements not in ((Shard(1),), (Shard(-1),)):
+        return None
+    if isinstance(bias, DTensor) and bias.placements != (Replicate(),):
+        return None
+    return weight.to_local(), style, mesh
