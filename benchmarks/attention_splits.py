@@ -5,7 +5,7 @@
 
 Each split count is forced (the kind's `waves` set so that the launch takes exactly that many splits) for:
   verify   the verification, 7 query tokens, emitting the softmax-weight scores of two rows (as a generation does),
-           with the splits merged by the combine launch and, where `fused_combine` allows, in the kernel;
+           with the splits merged by the combine launch and, up to `FUSED_COMBINE_MAX_SPLITS`, also in the kernel;
   dense    one-token decode over the whole cache;
   draft    a sparse draft over a sorted random selection of each `--draft-lists` length (plus a 7-slot tail).
 Each is timed as a replayed CUDA graph over two cache copies (`gpu_timing.graph_time`), `--reps` times, interleaved,
@@ -37,7 +37,7 @@ def force_splits(kind: str, splits: int, pairs: int, **setting) -> None:
     """Set `kind`'s waves so that `attention._num_splits` gives exactly `splits` (rounding up)."""
     sms = _launch.device_sm_count(torch.device("cuda"))
     _launch.TUNING[kind] = {**_launch.TUNING[kind], **setting, "waves": (splits - 0.5) * pairs / sms,
-                            "nearest": False, "at_most": False}
+                            "nearest": False, "fill": 0.0}
 
 
 def splits_taken(kind: str, list_len: int, pairs: int) -> int:
@@ -45,7 +45,7 @@ def splits_taken(kind: str, list_len: int, pairs: int) -> int:
     blocks evenly can come out lower (513 blocks in 32 splits make chunks of 17 blocks, so 31 of them)."""
     setting = _launch.TUNING[kind]
     return _num_splits(list_len, pairs, setting["block_n"], setting["waves"], torch.device("cuda"),
-                       setting.get("nearest", False), None, setting.get("at_most", False))[0]
+                       setting.get("nearest", False), None, setting.get("fill", 0.0))[0]
 
 
 def caches(batch: int, context: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -70,7 +70,9 @@ def time_lists(batch, context, split_counts, reps, write):
     try:
         for rep in range(reps):
             for splits in [*split_counts, None]:
-                for fused in ((False, True) if splits else (None,)):
+                # (past FUSED_COMBINE_MAX_SPLITS the kernel never merges: no second timing of the combine launch)
+                merging = (False, True) if splits and splits <= _launch.FUSED_COMBINE_MAX_SPLITS else (False,)
+                for fused in (merging if splits else (None,)):
                     if splits:
                         force_splits(verify_kind, splits, batch * KV_HEADS, fused_combine=fused)
                         force_splits(dense_kind, splits, batch * KV_HEADS, fused_combine=fused)
@@ -130,8 +132,9 @@ def main() -> None:
             "shape": "qwen3-8b", "read_bandwidth_GBps": read_bandwidth() / 1e9}
     records = []
 
-    def write(record):
+    def write(record):  # appended as it comes, so a run cut short keeps what it measured
         records.append({**base, **record})
+        append_records(args.out, records[-1:])
         print({k: round(v, 1) if isinstance(v, float) else v for k, v in record.items()}, flush=True)
 
     for batch in args.batches:
@@ -139,8 +142,8 @@ def main() -> None:
         if args.draft_lists:
             time_drafts(batch, args.context, args.draft_lists, [s for s in args.splits if s <= 8], write)
         torch.cuda.empty_cache()
-    append_records(args.out, records)
-    print(f"\n{base['gpu']}: verification with weights / dense decode, us (median over reps), by splits")
+    print(f"\n{base['gpu']}: verification with weights / dense decode, us (the middle rep; of an even number, the "
+          "slower of the middle two), by splits")
     for batch in args.batches:
         for splits in [*args.splits, "default"]:
             for fused in (False, True, None):

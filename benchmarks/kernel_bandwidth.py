@@ -158,7 +158,9 @@ def sweep(name, batch, context, dtype, bandwidth, base, write, draft_only=False,
     softmax-weight scores a generation emits) under every launch setting of a grid, set into
     `_launch.TUNING` (waves 0: one split per (row, KV head), which a sparse draft writes itself while dense and verify
     pass it through the combine launch; `fused_combine`: the last split, or the only one, merges in the kernel, no
-    combine launch)."""
+    combine launch). Each grid point replaces a kind's whole setting, so every kind rounds its split count up there
+    (no "nearest" or "fill"): the split counts of the defaults are not all on the grid
+    (`benchmarks/attention_splits.py` forces any count)."""
     from itertools import product
 
     from hf_vegas_kernels import _launch

@@ -534,15 +534,40 @@ def test_split_counts_round_to_the_nearest_where_asked():
     assert _num_splits(580, pairs, 128, 0, device) == (1, 640)
 
 
-def test_split_counts_round_up_to_the_nearest_or_down():
-    """`waves` 2 over 128 (row, KV head) pairs on 132 SMs wants 2.06 splits: 3 rounded up, 2 to the nearest or down;
-    over 32 pairs 8.25: 9, 8, 8; over 200 pairs 1.32: 2, 1, 1. Never fewer than one split, nor more than the list
-    has blocks."""
+def test_split_counts_round_up_to_the_nearest_or_fill_whole_waves():
+    """`waves` 2 on 132 SMs over 128 (row, KV head) pairs wants 2.06 splits: 3 rounded up, 2 to the nearest; over 96
+    pairs 2.75: 3 and 3. Filling whole waves of 264 programs at least 90 % (`fill`): 2 splits over 128 pairs (256
+    programs), 8 over 32, 4 over 64; over 96 pairs 2 (192 of 264), 3 (288 of 528) and 4 (384 of 528) fill less, 5
+    (480 of 528) enough; over 264 pairs one. A count the chunking cannot make is skipped (a 513-block list: 31
+    splits, not 32), and never more splits than the list has blocks."""
+    from hf_vegas_kernels.attention import _wave_filling_splits
+
     cuda = torch.device("cuda", 0)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_launch, "device_sm_count", lambda device: 132)
-        for pairs, up, nearest, down in ((128, 3, 2, 2), (32, 9, 8, 8), (200, 2, 1, 1), (1000, 1, 1, 1)):
+        for pairs, up, nearest, filled in ((128, 3, 2, 2), (96, 3, 3, 5), (32, 9, 8, 8), (64, 5, 4, 4),
+                                           (264, 1, 1, 1)):
             assert _num_splits(32768, pairs, 64, 2, cuda)[0] == up
             assert _num_splits(32768, pairs, 64, 2, cuda, nearest=True)[0] == nearest
-            assert _num_splits(32768, pairs, 64, 2, cuda, at_most=True)[0] == down
-        assert _num_splits(100, 32, 64, 2, cuda, at_most=True)[0] == 2  # two blocks of 64
+            assert _num_splits(32768, pairs, 64, 2, cuda, fill=0.9)[0] == filled, pairs
+        assert _num_splits(100, 32, 64, 2, cuda, fill=0.9)[0] == 2  # two blocks of 64: the fullest it can make
+    assert _wave_filling_splits(513, 33, 264, 0.9) == 8 and _wave_filling_splits(513, 8, 264, 0.9) == 31
+    # 32 splits of 8 pairs would fill 256 of 264 slots (97 %), but 513 blocks make 31 or 33 splits, not 32
+    assert _wave_filling_splits(513, 8, 264, 0.95) == 33
+
+
+def test_wide_head_kinds_pass_their_wave_fill_on(monkeypatch):
+    """`attend` hands a kind's `fill` to the split count (the default dense and verify settings at head_dim 128 over
+    32 pairs take it; the plain kinds none)."""
+    seen = []
+    real = attention_kernels._num_splits
+
+    def spy(*args, **kwargs):
+        seen.append(args[-1])  # (fill is the last positional argument)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_kernels, "_num_splits", spy)
+    for rows in (4, 3):
+        case = make_case([40, 9, 33, 17][:rows], [2] * rows, 1, 128, 16, 8, seed=3)
+        kernels.dense_attention(case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling)
+    assert seen == [_launch.TUNING["dense_wide_head"]["fill"], 0.0] and seen[0] > 0

@@ -9,8 +9,9 @@ import torch
 # Launch parameters of the attention kernels, per kind of call, chosen on an H100 with
 # `benchmarks/kernel_bandwidth.py --sweep` (results in benchmarks/results/kernels_sweep.jsonl). `waves`: programs
 # per SM the splits aim for. Verification (several query tokens) with head_dim 128 and at least 32 (row, KV head)
-# pairs wanted many more splits (Qwen3-8B, batch 4 x 32K: 212 us at 8 waves, 258 us at 2), but not at batch 1
-# (1 x 128K: 196 us at 2 waves, 217 us at 8), and head_dim 64 fewer (SmolLM2, batch 64 x 8K: 161 us at 2 waves,
+# pairs wanted many more splits (Qwen3-8B, batch 4 x 32K: 212 us at 8 waves, 258 us at 2, i.e. 9 splits rounded
+# up, whose 288 programs fill a second wave of two per SM only in part: see the "_wide_head" rule below), but not at
+# batch 1 (1 x 128K: 196 us at 2 waves, 217 us at 8), and head_dim 64 fewer (SmolLM2, batch 64 x 8K: 161 us at 2 waves,
 # 189 us at 8). Sparse drafts (`--draft-only`, SmolLM2 at 7.5K, a 525-slot selection) want about 1.5-2 programs
 # per SM, rounded to the nearest split count ("nearest"): batch 64 takes one split, whose program writes the output
 # itself (15.6 us against 20.5 us with 64-slot blocks and 4 waves), batch 16 five (8.6 against 9.0), batch 4 five
@@ -38,28 +39,30 @@ import torch
 # instead of the combine launch was slower at 16 x 32K on an H200 (f4a80ab, the command under SELECT_TUNING, in a
 # second process beside the defaults' on the same machine): draft steps of 8.60 and 8.76 ms against 8.17.
 #
-# The "_wide_head" dense and verify kinds (head_dim 128, at least 32 (row, KV head) pairs) fill the GPU with at most
-# two programs per SM (`at_most`: the split count rounds down), and the wide-head drafts round theirs to the nearest:
-# these kernels keep about two programs per SM, and are slowest where their programs fill one more wave only in part.
-# Forcing each split count (`benchmarks/attention_splits.py`, whose first version ran out of the tree; records in
-# benchmarks/results/attention_splits.jsonl; H200 at 8aca627, H100 at 9c23e1d, the same kernels), verification with
-# softmax-weight scores on the H200 at 16 x 32K (128 pairs) took 575 us at 2 splits, 590-601 at 4, 6 or 8, but 642
-# at 9 (the previous setting, 8 waves rounded up), 745 at 3, 681 at 5 and 781 at 1; at 4 x 32K 161 us at 8 splits
-# against 174 at 33 (the previous) and 210 at 4 (the slower of two rounds).
-# Dense decode moved by less than 2 % with the split count at either batch. A 2.3K-slot draft at 16 rows took 46.0 us
-# at 2 splits against 50.0 at 3 (4.6K slots: 81.2 against 85.0). On an H100 the same counts were as good as or
-# better than the previous: verification 853 -> 827 us at 16 x 32K, 221 -> 220 at 4 x 32K, dense 201 -> 184 at
-# 4 x 32K; one program per SM was better still there (811, 213, 181) but on the H200 it left bandwidth unused.
-# Merging the splits in the kernel (`fused_combine`) made the verification slower at every count on the H200.
+# The "_wide_head" dense and verify kinds (head_dim >= 128 over at least 32 (row, KV head) pairs) take the fewest
+# splits whose programs fill their last wave of two programs per SM at least 90 % (`fill`; `waves` is then the programs
+# an SM holds at once), and the wide-head drafts round theirs to the nearest count: these kernels' programs take about
+# as long each, so their time goes by whole waves. Forcing each split count (`benchmarks/attention_splits.py`, whose
+# first version ran out of the tree; records in benchmarks/results/attention_splits.jsonl; H200 at 8aca627, H100 at
+# 9c23e1d, the same kernels), verification with softmax-weight scores on the H200 at 16 x 32K (128 pairs) took 575 us
+# at 2 splits (256 programs, 97 % of one wave of 264), 590-601 at 4, 6 or 8 (97 %), but 642 at 9 (87 %: 9c23e1d's
+# setting, 8 waves rounded up), 745 at 3 (73 %), 681 at 5 (81 %) and 781 at 1 (48 %); at 4 x 32K (32 pairs) 161 us at 8
+# splits (97 %) against 174 at 33 (9c23e1d's) and 210 at 4 (48 %) (the slower of two rounds). On the H100 the same
+# counts gave 853 -> 827 us at 16 x 32K and 221 -> 220 at 4 x 32K (one program per SM, the best there at 811 and 213,
+# left bandwidth unused on the H200), and dense decode 201 -> 184 us at 4 x 32K (9 -> 8 splits, through the combine
+# launch: merging in the kernel took 191) and 709 at 16 x 32K (2 splits; 706 at 3). On the H200 dense decode stayed
+# within its round-to-round noise (about 4 %) at every count. Only 32 and 128 pairs were measured: other batches get
+# the rule, not a measured count. A 2.3K-slot draft at 16 rows took 46.0 us at 2 splits against 50.0 at 3 on the H200
+# (4.6K slots: 81.2 against 85.0). Merging a verification's splits in the kernel (`fused_combine`, at most
+# FUSED_COMBINE_MAX_SPLITS of them) was slower at every count up to 8 on the H200.
 TUNING = {
     "sparse": {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 2, "nearest": True, "fused_combine": True,
                "fused_combine_max_splits": 2},
     "sparse_wide_head": {"block_n": 128, "num_warps": 4, "num_stages": 2, "waves": 2, "nearest": True},
     "dense": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "fused_combine": True},
-    "dense_wide_head": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "at_most": True,
-                        "fused_combine": True},
+    "dense_wide_head": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "fill": 0.9},
     "verify": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "fused_combine": True},
-    "verify_wide_head": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "at_most": True},
+    "verify_wide_head": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "fill": 0.9},
 }
 # The in-kernel merge reads the splits one after the other: past this many (or a kind's `fused_combine_max_splits`),
 # the combine launch (parallel over query rows, vectorised over splits) is used instead.

@@ -25,6 +25,7 @@ logits need each head's own row (mode "per head").
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -271,21 +272,42 @@ def emit_dtype(q_dtype: torch.dtype) -> torch.dtype:
 
 
 def _num_splits(list_len: int, programs: int, block_n: int, waves: float, device, nearest: bool = False,
-                split_len: int | None = None, at_most: bool = False):
-    """(splits, chunk): enough programs to fill the GPU `waves` times (rounded up, to the nearest count, or down with
-    `at_most`: no more programs than `waves` fill), each chunk a multiple of the block; `waves` 0: one split per
-    (row, KV head). One split writes the output itself.
+                split_len: int | None = None, fill: float = 0.0):
+    """(splits, chunk): enough programs to fill the GPU `waves` times (rounded up, or to the nearest count), each
+    chunk a multiple of the block; `waves` 0: one split per (row, KV head). One split writes the output itself.
+    `fill` > 0 (then `waves` is how many programs an SM holds at once): the fewest splits whose last wave of
+    programs is at least `fill` full (`_wave_filling_splits`).
     `split_len`: at least enough splits that none spans more than `split_len` entries (rounded up to blocks)."""
     blocks = max(triton.cdiv(max(list_len, 1), block_n), 1)
     fewest = 1 if split_len is None else triton.cdiv(blocks, max(triton.cdiv(split_len, block_n), 1))
     if waves == 0:
         want = 1
+    elif fill > 0:
+        want = _wave_filling_splits(blocks, programs, round(waves * _launch.device_sm_count(device)), fill)
     else:
         wanted = waves * _launch.device_sm_count(device) / programs
-        want = max(math.floor(wanted) if at_most else round(wanted) if nearest else math.ceil(wanted), 1)
+        want = max(round(wanted) if nearest else math.ceil(wanted), 1)
     splits = min(max(want, fewest), blocks)
     chunk = triton.cdiv(blocks, splits) * block_n
     return triton.cdiv(blocks * block_n, chunk), chunk
+
+
+@functools.cache
+def _wave_filling_splits(blocks: int, pairs: int, slots: int, fill: float) -> int:
+    """The fewest splits of a `blocks`-long list over `pairs` (row, KV head) pairs whose programs fill their last
+    wave of `slots` (programs resident at once) at least `fill` full, else the fullest: the time of a kernel whose
+    programs all take about as long goes by whole waves (`_launch.TUNING`). Only counts the chunking can make."""
+    best, best_fill = 1, 0.0
+    for splits in range(1, blocks + 1):
+        if triton.cdiv(blocks, triton.cdiv(blocks, splits)) != splits:
+            continue
+        launched = splits * pairs
+        filled = launched / (triton.cdiv(launched, slots) * slots)
+        if filled >= fill:
+            return splits
+        if filled > best_fill:
+            best, best_fill = splits, filled
+    return best
 
 
 def attend(
@@ -328,7 +350,7 @@ def attend(
     q = q if q.stride(-1) == 1 else q.contiguous()
     device = q.device
     splits, chunk = _num_splits(list_len, batch * kv_heads, block_n, tuning["waves"], device,
-                                tuning.get("nearest", False), split_len, tuning.get("at_most", False))
+                                tuning.get("nearest", False), split_len, tuning.get("fill", 0.0))
 
     f32 = {"dtype": torch.float32, "device": device}
     out = _launch.empty(batch, num_tokens, q_heads, v_dim, dtype=q.dtype, device=device)
