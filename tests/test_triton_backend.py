@@ -124,8 +124,9 @@ def test_triton_boosted_budget_matches_reference_backend(monkeypatch):
     splits = []
     num_splits = attention_kernels._num_splits
 
-    def recorded(list_len, programs, block_n, waves, device, nearest=False, split_len=None):
-        result = num_splits(list_len, programs, block_n, waves, device, nearest, split_len)
+    def recorded(*args):
+        result = num_splits(*args)
+        split_len = args[6]  # (list_len, programs, block_n, waves, device, nearest, split_len, fill)
         if split_len is not None:  # a draft (dense and verify kernels pass none)
             splits.append(result[0])
         return result
