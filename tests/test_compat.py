@@ -384,3 +384,49 @@ def test_row_parallel_shard_is_the_partial_product_transformers_row_parallel_for
     RowwiseParallel().install_forward(wrapped, one_rank_mesh)
     assert compat.row_parallel_shard(wrapped) is None
     assert compat.row_parallel_shard(torch.nn.Linear(8, 4)) is None
+
+
+def test_a_draft_row_parallel_projection_is_the_kernel_product_summed_and_biased_once(one_rank_mesh, monkeypatch):
+    """`fused_projections._fuse_single` on a row-parallel projection with a bias (weights counted as large): in a draft
+    it is one `linear_op` of the rank's shard, then transformers' sum and bias (a bias added in the kernel too would
+    show twice here, on one rank); with gradients, on a `DTensor` input, on an input of another width or outside
+    drafts it is transformers' forward; the forward it had comes back (the very object)."""
+    import hf_vegas_kernels
+    from torch.distributed.tensor import DTensor, Shard
+    from transformers.distributed.tensor_parallel import RowwiseParallel
+
+    from hf_vegas import fused_projections as fused_module
+
+    monkeypatch.setattr(fused_module, "MAX_WEIGHT_BYTES", 0)
+    calls = []
+    real = hf_vegas_kernels.linear_op
+    monkeypatch.setattr(hf_vegas_kernels, "linear_op", lambda *args: calls.append(args[2]) or real(*args))
+    torch.manual_seed(0)
+    parent = torch.nn.Module()
+    parent.o_proj = torch.nn.Linear(48, 32)
+    with torch.no_grad():
+        parent.o_proj.bias.uniform_(1.0, 2.0)
+    for name in ("weight", "bias"):
+        RowwiseParallel().shard_param(parent.o_proj, name, one_rank_mesh)
+    RowwiseParallel().install_forward(parent.o_proj, one_rank_mesh)
+    own, drafting = parent.o_proj.forward, [True]
+    patched = fused_module._fuse_single(parent, "o_proj", hf_vegas_kernels, lambda: drafting[0])
+    assert patched == [(parent.o_proj, own)]
+    x = torch.randn(3, 1, 48)
+    with torch.no_grad():
+        expected = own(x)
+        torch.testing.assert_close(parent.o_proj(x), expected, atol=1e-5, rtol=1e-5)
+        assert calls == [None], "one kernel launch, without the bias (added once, after the sum)"
+        drafting[0] = False
+        torch.testing.assert_close(parent.o_proj(x), expected)
+        drafting[0] = True
+        parent.o_proj(DTensor.from_local(x, one_rank_mesh, [Shard(-1)]))
+        assert len(calls) == 1, "a DTensor input takes transformers' forward"
+    parent.o_proj(x)  # gradients on
+    assert len(calls) == 1, "with gradients the forward is transformers'"
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        parent.o_proj(torch.randn(3, 1, 40))  # another width: transformers' forward refuses it, not the kernel
+    assert len(calls) == 1
+    for module, forward in patched:  # as `fused_projections` restores
+        module.forward = forward
+    assert vars(parent.o_proj)["forward"] is own
