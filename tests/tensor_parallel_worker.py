@@ -81,18 +81,28 @@ def main(model_dir: str, out_dir: str) -> None:
 def _compiled_trace(model, ids) -> dict:
     """How dynamo traces a forward of the sharded model while a compiled generation has its backward hooks set aside
     (transformers 5.17's tensor parallelism hooks the replicated norms; each hook would break the graph)."""
-    def explain():
+    from hf_vegas import fused_projections as fused_module
+
+    def explain(tokens=8):
         torch._dynamo.reset()
-        return torch._dynamo.explain(lambda x: model(x, use_cache=False).logits)(ids[:, :8])
+        return torch._dynamo.explain(lambda x: model(x, use_cache=False).logits)(ids[:, :tokens])
 
     with torch.no_grad():
         hooked = explain()
         with backward_hooks_set_aside(model) as aside:
             explained = explain()
+            # a draft-sized forward with the projections' kernels in (every weight counted as large: the row-parallel
+            # output and down projections' kernel product, then transformers' sum, traced too)
+            limit, fused_module.MAX_WEIGHT_BYTES = fused_module.MAX_WEIGHT_BYTES, 0
+            try:
+                with fused_module.fused_projections(model):
+                    fused = explain(tokens=1)
+            finally:
+                fused_module.MAX_WEIGHT_BYTES = limit
     torch._dynamo.reset()
     return dict(hooks_set_aside=aside, graph_breaks=explained.graph_break_count,
-                graph_breaks_with_hooks=hooked.graph_break_count,
-                reasons=[str(reason.reason)[:300] for reason in explained.break_reasons[:3]])
+                graph_breaks_with_hooks=hooked.graph_break_count, graph_breaks_fused=fused.graph_break_count,
+                reasons=[str(reason.reason)[:300] for reason in (explained.break_reasons + fused.break_reasons)[:3]])
 
 
 def _fused_projections_run(model, ids, common) -> dict:
