@@ -35,6 +35,10 @@ def apply_tuning(overrides: list[str]) -> dict:
             raise SystemExit(f"--tuning {item!r}: VALUE must be a number (1/0 for switches)") from None
         tables[kind][key] = int(number) if number.is_integer() else number
         applied[f"{kind}:{key}"] = tables[kind][key]
+    for kind, setting in _launch.TUNING.items():
+        if setting.get("nearest") and setting.get("fill"):  # `fill` decides alone: `nearest` would be recorded, unused
+            raise SystemExit(f"--tuning: {kind} rounds its split count by `fill` ({setting['fill']}) or to the "
+                             f"nearest, not both: add {kind}:fill=0 or {kind}:nearest=0")
     return applied
 
 

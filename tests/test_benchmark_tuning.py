@@ -33,7 +33,8 @@ def test_sets_are_checked_before_any_run_and_change_nothing():
     assert launch_tuning.snapshot() == saved
     for bad, says in (("pdl:early=0", "pdl takes KEY one of"), ("nothing:x=1", "KIND one of"),
                       ("pdl:enabled=yes", "must be a number"), ("gated:blockn=32", "gated takes KEY one of"),
-                      ("qkv_rope:block_n=32", "qkv_rope takes KEY one of"), ("verify:wave=2", "verify takes KEY")):
+                      ("qkv_rope:block_n=32", "qkv_rope takes KEY one of"), ("verify:wave=2", "verify takes KEY"),
+                      ("verify_wide_head:nearest=1", "by `fill` .* or to the nearest, not both")):
         with pytest.raises(SystemExit, match=says):
             launch_tuning.parse_sets([f"pdl:enabled=0 sparse:waves=3 {bad}"])  # (applied before the bad one)
         assert launch_tuning.snapshot() == saved, bad
