@@ -26,6 +26,7 @@ from hf_vegas_kernels.attention import _num_splits
 
 import hf_vegas
 from gpu_timing import graph_time, read_bandwidth  # benchmarks/ is the script's directory
+from launch_tuning import restore, snapshot
 from provenance import commit, dirty, tree
 from results_io import append_records
 
@@ -54,8 +55,8 @@ def caches(batch: int, context: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
              torch.randn(shape, device="cuda", dtype=torch.bfloat16)) for _ in range(2)]
 
 
-def time_lists(batch, context, split_counts, reps, write):
-    """Verification (with weights) and dense decode at each split count, and under the defaults."""
+def time_lists(batch, context, split_counts, reps, write, defaults):
+    """Verification (with weights) and dense decode at each split count, and under the `defaults` (a `snapshot`)."""
     cache = caches(batch, context)
     kv_len = torch.full((batch,), context, device="cuda")
     q = torch.randn(batch, Q_HEADS, GAMMA + 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -64,28 +65,24 @@ def time_lists(batch, context, split_counts, reps, write):
     rows, scaling = torch.tensor([0, GAMMA], device="cuda"), HEAD_DIM**-0.5
     wide = batch * KV_HEADS >= 32
     verify_kind, dense_kind = ("verify_wide_head", "dense_wide_head") if wide else ("verify", "dense")
-    defaults = {kind: dict(setting) for kind, setting in _launch.TUNING.items()}
     verify = lambda i: kernels.verify_attention(q, *cache[i], q_slot, kv_len, scaling, rows, "weights")
     dense = lambda i: kernels.dense_attention(q1, *cache[i], slot1, kv_len, scaling)
-    try:
-        for rep in range(reps):
-            for splits in [*split_counts, None]:
-                # (past FUSED_COMBINE_MAX_SPLITS the kernel never merges: no second timing of the combine launch)
-                merging = (False, True) if splits and splits <= _launch.FUSED_COMBINE_MAX_SPLITS else (False,)
-                for fused in (merging if splits else (None,)):
-                    if splits:
-                        force_splits(verify_kind, splits, batch * KV_HEADS, fused_combine=fused)
-                        force_splits(dense_kind, splits, batch * KV_HEADS, fused_combine=fused)
-                    else:
-                        _launch.TUNING.update({kind: dict(setting) for kind, setting in defaults.items()})
-                    slots = cache[0][0].shape[1]
-                    write({"op": "lists", "batch": batch, "context": context, "splits": splits or "default",
-                           "splits_taken": {kind: splits_taken(kind, slots, batch * KV_HEADS)
-                                            for kind in (verify_kind, dense_kind)},
-                           "fused_combine": fused, "rep": rep, "verify_weights_us": graph_time(verify, 2) * 1e6,
-                           "dense_us": graph_time(dense, 2) * 1e6})
-    finally:
-        _launch.TUNING.update({kind: dict(setting) for kind, setting in defaults.items()})
+    slots = cache[0][0].shape[1]
+    for rep in range(reps):
+        for splits in [*split_counts, None]:
+            # (past FUSED_COMBINE_MAX_SPLITS the kernel never merges: no second timing of the combine launch)
+            merging = (False, True) if splits and splits <= _launch.FUSED_COMBINE_MAX_SPLITS else (False,)
+            for fused in (merging if splits else (None,)):
+                if splits:
+                    force_splits(verify_kind, splits, batch * KV_HEADS, fused_combine=fused)
+                    force_splits(dense_kind, splits, batch * KV_HEADS, fused_combine=fused)
+                else:
+                    restore(defaults)
+                write({"op": "lists", "batch": batch, "context": context, "splits": splits or "default",
+                       "splits_taken": {kind: splits_taken(kind, slots, batch * KV_HEADS)
+                                        for kind in (verify_kind, dense_kind)},
+                       "fused_combine": fused, "rep": rep, "verify_weights_us": graph_time(verify, 2) * 1e6,
+                       "dense_us": graph_time(dense, 2) * 1e6})
 
 
 def time_drafts(batch, context, lengths, split_counts, write):
@@ -94,21 +91,17 @@ def time_drafts(batch, context, lengths, split_counts, write):
     kv_len = torch.full((batch,), context, device="cuda")
     q = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     q_slot, sel_end = kv_len[:, None] - 1, kv_len - GAMMA - 1
-    default = dict(_launch.TUNING["sparse_wide_head"])
-    try:
-        for n in lengths:
-            sel_idx = torch.stack([torch.randperm(context - GAMMA - 1, device="cuda")[:n].sort().values
-                                   for _ in range(batch)])
-            count = torch.full((batch,), n, device="cuda")
-            for splits in split_counts:
-                force_splits("sparse_wide_head", splits, batch * KV_HEADS)
-                seconds = graph_time(lambda i: kernels.sparse_draft_attention(
-                    q, *cache[i], q_slot, kv_len, sel_idx, count, sel_end, HEAD_DIM**-0.5, list_len=n + GAMMA + 1), 2)
-                write({"op": "draft", "batch": batch, "context": context, "selected": n, "splits": splits,
-                       "splits_taken": splits_taken("sparse_wide_head", n + GAMMA + 1, batch * KV_HEADS),
-                       "us": seconds * 1e6})
-    finally:
-        _launch.TUNING["sparse_wide_head"] = default
+    for n in lengths:
+        sel_idx = torch.stack([torch.randperm(context - GAMMA - 1, device="cuda")[:n].sort().values
+                               for _ in range(batch)])
+        count = torch.full((batch,), n, device="cuda")
+        for splits in split_counts:
+            force_splits("sparse_wide_head", splits, batch * KV_HEADS)
+            seconds = graph_time(lambda i: kernels.sparse_draft_attention(
+                q, *cache[i], q_slot, kv_len, sel_idx, count, sel_end, HEAD_DIM**-0.5, list_len=n + GAMMA + 1), 2)
+            write({"op": "draft", "batch": batch, "context": context, "selected": n, "splits": splits,
+                   "splits_taken": splits_taken("sparse_wide_head", n + GAMMA + 1, batch * KV_HEADS),
+                   "us": seconds * 1e6})
 
 
 def main() -> None:
@@ -137,11 +130,15 @@ def main() -> None:
         append_records(args.out, records[-1:])
         print({k: round(v, 1) if isinstance(v, float) else v for k, v in record.items()}, flush=True)
 
-    for batch in args.batches:
-        time_lists(batch, args.context, args.splits, args.reps, write)
-        if args.draft_lists:
-            time_drafts(batch, args.context, args.draft_lists, [s for s in args.splits if s <= 8], write)
-        torch.cuda.empty_cache()
+    defaults = snapshot()
+    try:
+        for batch in args.batches:
+            time_lists(batch, args.context, args.splits, args.reps, write, defaults)
+            if args.draft_lists:
+                time_drafts(batch, args.context, args.draft_lists, [s for s in args.splits if s <= 8], write)
+            torch.cuda.empty_cache()
+    finally:
+        restore(defaults)
     print(f"\n{base['gpu']}: verification with weights / dense decode, us (the middle rep; of an even number, the "
           "slower of the middle two), by splits")
     for batch in args.batches:

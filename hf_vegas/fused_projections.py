@@ -70,7 +70,7 @@ def _linear_parts(*modules) -> list[tuple[torch.Tensor, torch.Tensor | None]] | 
     one dtype, device and input width, and weights (and biases) whose rows are contiguous, as the kernels read them."""
     parts, sharded = [], set()
     for m in modules:
-        if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
+        if not _hookless_linear(m):
             return None
         if "forward" in vars(m):
             shard = compat.column_parallel_shard(m)  # this rank's plain tensors, or None
@@ -85,6 +85,11 @@ def _linear_parts(*modules) -> list[tuple[torch.Tensor, torch.Tensor | None]] | 
     if any(w.dim() != 2 or w.stride(-1) != 1 or (b is not None and b.stride(-1) != 1) for w, b in parts):
         return None
     return parts
+
+
+def _hookless_linear(module) -> bool:
+    """Exactly `nn.Linear` (no subclass: quantised layers) without forward hooks: a forward a kernel may replace."""
+    return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
 
 
 def _distributed(tensor) -> bool:
@@ -176,13 +181,14 @@ def _fuse_single(module, name: str, kernels, active) -> list[tuple[nn.Module, ob
     if projection is None:
         return None
     own = projection.forward
-    row_parallel = compat.row_parallel_shard(projection) if "forward" in vars(projection) else None
-    plain_module = type(projection) is nn.Linear and not (projection._forward_hooks or projection._forward_pre_hooks)
-    if row_parallel is not None and plain_module:
+    if "forward" in vars(projection):  # transformers' row-parallel forward, or one no kernel may replace
+        row_parallel = compat.row_parallel_shard(projection) if _hookless_linear(projection) else None
+        if row_parallel is None:
+            return None
         weight, style, mesh = row_parallel
         bias = None  # added after the sum, by `transform_output_post_forward`
     else:
-        parts = None if "forward" in vars(projection) else _linear_parts(projection)
+        row_parallel, parts = None, _linear_parts(projection)
         if parts is None:
             return None
         ((weight, bias),) = parts
