@@ -20,7 +20,8 @@ Each runs once to warm up (compile, capture), then once timed. Decode tokens/s =
 from the first token (after the prefill) to the last. EOS is ignored: every row generates exactly the tokens asked.
 Bounds (`hf_vegas/traffic.py`): the bytes a step must read over the read bandwidth measured in this run. On
 random-weight shapes Vegas' throughput is projected: measured iteration time x tokens per iteration of SmolLM2 (same
-decoding).
+decoding), the drafts timed at SmolLM2's mean budget scale (`projection.py`). Vegas' bounds read its drafts' measured
+mean budget scale (`budget_boost`).
 Every record (GPU, versions, commit, workload, config, times, bounds) is appended to --out; a table ends the run.
 """
 
@@ -42,11 +43,13 @@ import tensor_parallel_runs
 import workloads
 from gpu_timing import read_bandwidth
 import launch_tuning
+import projection
 from provenance import gpu_run
 from results_io import append_records, read_records
 from step_timer import FirstTokenClock, IterationTimes
 
 METHODS = ("hf", "dense", "vegas", "vegas-all", "streaming")
+SPECULATIVE = ("vegas", "vegas-all", "streaming")
 DECODINGS = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=0)}
 # Generation settings every method gets (`--prefill-chunk`: `prefill_chunk_size`, for prompts whose one-shot prefill
 # does not fit beside the cache).
@@ -89,6 +92,7 @@ def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfi
                 tokens_per_iteration=float((accepted + 1).float().mean()),
                 gammas_run={str(g): n for g, n in sorted(collections.Counter(out.gammas.tolist()).items())},
                 rows=row_acceptance(out.accepted, mask, new_tokens), new_tokens=out.sequences.shape[1] - ids.shape[1],
+                **projection.budget_fields(out, config),
                 **_peak_memory()), out.sequences
 
 
@@ -153,23 +157,24 @@ def _policy(method: str) -> str:
     return "vegas" if method == "vegas-all" else method
 
 
-def bound(model, workload, method, new_tokens, config, tokens_per_iteration, bandwidth) -> dict:
-    """Traffic bound at the mean context of the decode (prompt + half the new tokens)."""
+def bound(model, workload, method, new_tokens, config, tokens_per_iteration, bandwidth, rejection=0.0) -> dict:
+    """Traffic bound at the mean context of the decode (prompt + half the new tokens); Vegas' drafts read budgets
+    boosted as at the rejection average `rejection`."""
     context = workload.prompt_tokens + new_tokens // 2
     if method in ("hf", "dense"):
         step_bytes, tokens = traffic.dense_step_bytes(model, workload.batch, context), workload.batch
     else:
-        step_bytes = traffic.vegas_iteration_bytes(model, workload.batch, context, config)
+        step_bytes = traffic.vegas_iteration_bytes(model, workload.batch, context, config, rejection)
         tokens = workload.batch * tokens_per_iteration
     seconds = step_bytes / bandwidth
     return dict(bound_step_bytes=step_bytes, bound_step_ms=seconds * 1e3, bound_tokens_per_s=tokens / seconds)
 
 
-def draft_step(model, workload, new_tokens, config, split_ms, bandwidth) -> dict:
+def draft_step(model, workload, new_tokens, config, split_ms, bandwidth, rejection=0.0) -> dict:
     """One draft step's measured time (the iteration's draft time over gamma) against its own traffic bound (the
     weights and the sparse KV it reads, at the decode's mean context): the issue's "draft step near its bound"."""
     context = workload.prompt_tokens + new_tokens // 2
-    draft_bytes = (traffic.vegas_iteration_bytes(model, workload.batch, context, config)
+    draft_bytes = (traffic.vegas_iteration_bytes(model, workload.batch, context, config, rejection)
                    - traffic.dense_step_bytes(model, workload.batch, context + config.gamma + 1)) / config.gamma
     bound_ms = draft_bytes / bandwidth * 1e3
     step_ms = split_ms["draft"] / config.gamma
@@ -230,6 +235,9 @@ def main() -> None:
     parser.add_argument("--text-column", default="text")
     parser.add_argument("--project-from", type=Path, help="JSONL with real-model records whose tokens/iteration "
                         "project the random-weight shapes' throughput (default: this run's records)")
+    parser.add_argument("--projected-budget", choices=projection.BUDGETS, default="matched",
+                        help="random-weight shapes: time the drafts at the real model's mean budget scale (matched) "
+                             "or at the configured budget_boost, which rows of random weights always reach (config)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.jsonl"))
     parser.add_argument("--fp32-reference", action="store_true",
                         help="also measure each greedy method's first divergence from vanilla fp32 greedy tokens")
@@ -322,12 +330,17 @@ def main() -> None:
         ids, mask = workloads.prompts(workload, tokenizer, texts)
         new_tokens = args.max_new_tokens if workload.real_weights else args.shape_new_tokens
         config = vegas_config(method, args) if method != "hf" else None
+        projected = {}
+        if method in SPECULATIVE and not workload.real_weights:  # drafts timed at the real model's budget scale
+            config, projected = projection.timed_config(
+                config, projection.source(earlier + records, _policy(method), decoding), args.projected_budget)
         if args.fp32_reference and decoding == "greedy" and workload.real_weights and str(workload) not in fp32_tokens:
             fp32_tokens[str(workload)] = fp32_greedy(workload, ids, mask, new_tokens)
         record = dict(base, sweep=args.sweep, model=workload.model, real_weights=workload.real_weights,
                       batch=workload.batch,
                       prompt_tokens=int(mask.sum(dim=1).max()), new_tokens=new_tokens, decoding=decoding,
                       method=method, config=config.to_dict() if config else {"cache_implementation": "static"},
+                      **projected,
                       **({"tuning_set": set_overrides} if tuning_set is not None else {}),
                       **({"repeat": repeat} if args.repeats > 1 else {}))
         try:
@@ -378,14 +391,15 @@ def _add_throughput(record, model, workload, method, new_tokens, config, records
         ran = record["gammas_run"]
         gamma = int(max(ran, key=ran.get))
         config, method = (dataclasses.replace(config, gamma=gamma), method) if gamma else (None, "dense")
-    speculative = method in ("vegas", "vegas-all", "streaming")
+    speculative = method in SPECULATIVE
     if speculative and not workload.real_weights:  # acceptance of random weights means nothing: project
-        tpi = _projected_tpi(records, _policy(method), record["decoding"], record)
+        tpi = projection.project(record, projection.source(records, _policy(method), record["decoding"]))
     else:
         tpi = record.get("tokens_per_iteration", 1.0)
-    record.update(bound(model, workload, method, new_tokens, config, tpi, bandwidth))
+    rejection = projection.rejection(record, config) if speculative else 0.0
+    record.update(bound(model, workload, method, new_tokens, config, tpi, bandwidth, rejection))
     if speculative and record.get("split_ms"):
-        record.update(draft_step(model, workload, new_tokens, config, record["split_ms"], bandwidth))
+        record.update(draft_step(model, workload, new_tokens, config, record["split_ms"], bandwidth, rejection))
     if record.get("projected"):
         # as the real model's rows: its tokens per iteration net of the ends of rows and batch (new tokens over
         # iterations), over this run's mean iteration time
@@ -416,19 +430,14 @@ def _add_ratios(record, records) -> None:
             record["predicted_x_dense"] = record["bound_tokens_per_s"] / other["bound_tokens_per_s"]
 
 
-def _projected_tpi(records, method, decoding, record) -> float:
-    """Tokens per iteration of the same policy on the real model (largest batch), for a random-weight shape."""
-    real = [r for r in records if r["real_weights"] and r["method"] == method and r["decoding"] == decoding
-            and "tokens_per_iteration" in r]
-    if not real:
-        record["projected"] = False
-        return record["tokens_per_iteration"]
-    source = max(real, key=lambda r: r["batch"])
-    record.update(projected=True, projected_from=f"{source['model']} batch {source['batch']} {decoding}",
-                  measured_tokens_per_iteration=record["tokens_per_iteration"],
-                  tokens_per_iteration=source["tokens_per_iteration"],
-                  projected_net_tokens_per_iteration=(source["new_tokens"] - 1) / source["iterations"])
-    return source["tokens_per_iteration"]
+def _budget_note(r) -> str:
+    """The drafts' mean budget scale (and, projected, the real model's it was matched to)."""
+    if "budget_scale" not in r:
+        return ""
+    real = f", the real model's {r['projected_budget_scale']:.2f}" if "projected_budget_scale" in r else ""
+    boost = (f" (budget_boost {r['projected_budget_boost']:.2f} for the configured {r['configured_budget_boost']:g})"
+             if "projected_budget_boost" in r else "")
+    return f"; drafts at {r['budget_scale']:.2f}x the plain budget{boost}{real}"
 
 
 def print_table(records) -> None:
@@ -467,7 +476,7 @@ def print_table(records) -> None:
         if "draft_step_x_bound" in r:
             print(f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['decoding']} {r['method']}: draft step "
                   f"{r['draft_step_ms']:.3f} ms, {r['draft_step_x_bound']:.2f}x its traffic bound "
-                  f"{r['draft_step_bound_ms']:.3f} ms")
+                  f"{r['draft_step_bound_ms']:.3f} ms" + _budget_note(r))
     for r in records:
         if r.get("rows") and r["method"] != "dense" and not r.get("projected"):  # random weights: no acceptance
             q, slow = r["rows"]["tokens_per_iteration_quantiles"], r["rows"]["slowest"]

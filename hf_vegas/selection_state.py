@@ -165,8 +165,7 @@ class SelectionState:
         """After a verification: fold whether each active row rejected a draft into its `rejection` average (the
         budget boost reads it). A no-op without a boost."""
         if self.config.budget_boost > 1:
-            rejected = (accepted < self.gamma).to(self.rejection.dtype)
-            self.rejection.copy_(torch.where(active, 0.5 * (self.rejection + rejected), self.rejection))
+            self.rejection.copy_(updated_rejection(self.rejection, accepted, self.gamma, active))
 
     def restart(self) -> None:
         """No selection, no history, for a new generation over the same buffers."""
@@ -174,6 +173,33 @@ class SelectionState:
         self.rejection.zero_()
         self.row_scores.clear()
         self.scored_layers = []
+
+
+def updated_rejection(rejection: torch.Tensor, accepted: torch.Tensor, gamma: int, active: torch.Tensor
+                      ) -> torch.Tensor:
+    """Each row's running average of "the verification rejected a draft" after one more verification (half-life
+    one iteration); inactive rows keep theirs."""
+    rejected = (accepted < gamma).to(rejection.dtype)
+    return torch.where(active, 0.5 * (rejection + rejected), rejection)
+
+
+def draft_budget_scales(accepted: torch.Tensor, gammas: torch.Tensor, config: VegasConfig) -> torch.Tensor:
+    """`(B, iterations)`: the factor by which `config.budget_boost` scaled each row's budget in the drafts of each
+    iteration of a finished generation (its output's `accepted` and `gammas`), NaN where the row drafted nothing
+    (finished, or a dense step of `gamma="auto"`). Replays the running average `note_acceptance` keeps: an
+    iteration's drafts read the selection of the verification before it, made before that verification's own
+    acceptance was noted; the first two iterations' drafts read selections made at rejection 0."""
+    rejection = torch.zeros(accepted.shape[0], dtype=torch.float64, device=accepted.device)
+    scales = torch.full(accepted.shape, float("nan"), dtype=torch.float64, device=accepted.device)
+    used = rejection.clone()  # the average the current iteration's selection was made with
+    for k in range(accepted.shape[1]):
+        active = accepted[:, k] >= 0
+        gamma = int(gammas[k])
+        if gamma > 0:
+            scales[:, k] = torch.where(active, config.boost(used), float("nan"))
+            used = rejection.clone()  # the next iteration's selection is made before this one's acceptance is noted
+            rejection = updated_rejection(rejection, accepted[:, k], gamma, active)
+    return scales
 
 
 def budget_tensor(candidates: torch.Tensor, config: VegasConfig, rejection: torch.Tensor | None = None

@@ -11,7 +11,8 @@ import hf_vegas.cache
 from hf_vegas import VegasConfig
 from hf_vegas.attention import active_cache, vegas_attention_forward
 from hf_vegas.cache import VegasCache
-from hf_vegas.selection_state import SelectionState, budget_tensor
+import hf_vegas.selection_state
+from hf_vegas.selection_state import SelectionState, budget_tensor, draft_budget_scales
 from hf_vegas.ops import eager
 from hf_vegas_kernels import naive
 from tiny_models import tiny_model
@@ -147,6 +148,33 @@ def test_a_row_whose_drafts_are_rejected_gets_a_boosted_budget():
     plain = VegasCache(model_config, 3, capacity=400, vegas_config=unboosted)
     plain.selection.note_acceptance(accepted, active)
     assert not plain.selection.rejection.any() and plain.selection.draft_split_len is None, "no boost: nothing tracked"
+
+
+def test_draft_budget_scales_replay_the_boost_each_draft_read(monkeypatch):
+    """`draft_budget_scales` (what the benchmarks read from a finished generation) gives, per row and iteration, the
+    boost of the selection that iteration's drafts read: the rejection average each selection was made with, spied
+    on in a generation whose rows reject some drafts and finish at different iterations."""
+    from tiny_models import ragged_batch
+
+    seen = []  # the rejection average of every selection: the prefill's, then each verification's
+
+    def spy(candidates, config, rejection=None):
+        seen.append(rejection.clone())
+        return budget_tensor(candidates, config, rejection)
+
+    monkeypatch.setattr(hf_vegas.selection_state, "budget_tensor", spy)
+    config = VegasConfig(gamma=3, sparsity=0.2, min_tokens=4, budget_boost=3.0, cuda_graphs=False)
+    ids, mask = ragged_batch([40, 27, 33], seed=1)
+    out = tiny_model("llama").generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0,
+                                       custom_generate="vegas", vegas_config=config, return_dict_in_generate=True)
+    scales = draft_budget_scales(out.accepted, out.gammas, config)
+    active = out.accepted >= 0
+    assert ((out.accepted < 3) & active).any() and not active.all(), "the case needs rejections and a finished row"
+    assert len(seen) >= out.accepted.shape[1], "a selection for every iteration's drafts"
+    for k in range(out.accepted.shape[1]):  # iteration k drafts over the selection made k selections in
+        expected = config.boost(seen[k].double())
+        assert torch.equal(scales[active[:, k], k], expected[active[:, k]]), k
+        assert scales[~active[:, k], k].isnan().all()
 
 
 def test_draft_mask_is_selection_plus_tail():
