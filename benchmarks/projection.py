@@ -39,7 +39,7 @@ def source(records: list[dict], policy: str, decoding: str) -> dict | None:
     """The real-model record of `policy` and `decoding` with the largest batch (the latest of those), or None."""
     real = [r for r in records if r["real_weights"] and r["method"] == policy and r["decoding"] == decoding
             and "tokens_per_iteration" in r]
-    return max(real, key=lambda r: r["batch"]) if real else None
+    return max(reversed(real), key=lambda r: r["batch"]) if real else None  # (max keeps the first of equals)
 
 
 def timed_config(config: hf_vegas.VegasConfig, real: dict | None, budget: str

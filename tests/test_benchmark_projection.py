@@ -21,13 +21,13 @@ REAL = dict(real_weights=True, method="vegas", decoding="greedy", model="smollm2
 
 
 def test_the_source_is_the_largest_real_batch_of_the_same_policy_and_decoding():
-    records = [dict(REAL, batch=16), dict(REAL), dict(REAL, decoding="sample", batch=128),
+    records = [dict(REAL, batch=16), dict(REAL, commit="old"), dict(REAL), dict(REAL, decoding="sample", batch=128),
                dict(REAL, method="streaming", batch=128), dict(REAL, real_weights=False, batch=256),
                dict(REAL, batch=256, tokens_per_iteration=None) | {"error": "x"}]
     del records[-1]["tokens_per_iteration"]  # a failed run has no acceptance
-    assert projection.source(records, "vegas", "greedy") is records[1]
-    assert projection.source(records, "vegas", "sample") is records[2]
-    assert projection.source(records[3:], "vegas", "greedy") is None
+    assert projection.source(records, "vegas", "greedy") is records[2], "the latest of the largest batch"
+    assert projection.source(records, "vegas", "sample") is records[3]
+    assert projection.source(records[4:], "vegas", "greedy") is None
 
 
 def test_matched_budget_times_the_drafts_at_the_real_runs_mean_scale(capsys):
