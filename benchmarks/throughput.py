@@ -28,9 +28,7 @@ Every record (GPU, versions, commit, workload, config, times, bounds) is appende
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
-import time
 from pathlib import Path
 
 import torch
@@ -46,104 +44,11 @@ import launch_tuning
 import projection
 from provenance import gpu_run
 from results_io import append_records, read_records
-from step_timer import FirstTokenClock, IterationTimes
+from generation_runs import COMMON_GENERATE, DECODINGS, agreement, fp32_greedy, run_hf, run_ours
+from throughput_table import print_table
 
 METHODS = ("hf", "dense", "vegas", "vegas-all", "streaming")
 SPECULATIVE = ("vegas", "vegas-all", "streaming")
-DECODINGS = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=0)}
-# Generation settings every method gets (`--prefill-chunk`: `prefill_chunk_size`, for prompts whose one-shot prefill
-# does not fit beside the cache).
-COMMON_GENERATE: dict = {}
-
-
-def run_hf(model, ids, mask, new_tokens, decoding) -> tuple[dict, torch.Tensor]:
-    common = dict(attention_mask=mask, max_new_tokens=new_tokens, cache_implementation="static", **DECODINGS[decoding],
-                  **COMMON_GENERATE)
-    model.generate(ids, **common)  # compiles the decode step for this shape
-    clock = FirstTokenClock()
-    torch.manual_seed(0)
-    torch.cuda.reset_peak_memory_stats()
-    out = model.generate(ids, **common, stopping_criteria=transformers.StoppingCriteriaList([clock]))
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - clock.first
-    steps = new_tokens - 1
-    # what HF actually ran: its attention, and whether generate compiled the decode step (private attribute)
-    ran = dict(attn_implementation=model.config._attn_implementation,
-               compiled=getattr(model, "_compiled_call", None) is not None)
-    return dict(decode_seconds=seconds, step_ms=seconds / steps * 1e3, new_tokens=out.shape[1] - ids.shape[1],
-                hf=ran, **_peak_memory()), out
-
-
-def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfig) -> dict:
-    common = dict(attention_mask=mask, max_new_tokens=new_tokens, custom_generate="vegas", vegas_config=config,
-                  return_dict_in_generate=True, **DECODINGS[decoding], **COMMON_GENERATE)
-    model.generate(ids, **common)  # warm-up: Triton compiles, graphs captured (kept for the timed call)
-    timer = IterationTimes()
-    torch.manual_seed(0)
-    torch.cuda.reset_peak_memory_stats()
-    with timer.record():
-        out = model.generate(ids, **common)
-    accepted = out.accepted[out.accepted >= 0]
-    steps = hf_vegas.graphs.pooled_graphs(model)  # how the steps ran: captured graphs, or eagerly and why
-    graphs = dict(captures=steps.captures, replays=steps.replays,
-                  eager_reason=steps.disabled_reason) if steps else dict(eager_reason="not pooled")
-    return dict(graphs=graphs, decode_seconds=timer.decode_seconds(), step_ms=timer.median_ms()["wall"],
-                split_ms=timer.median_ms(), iterations=out.accepted.shape[1],
-                tokens_per_iteration=float((accepted + 1).float().mean()),
-                gammas_run={str(g): n for g, n in sorted(collections.Counter(out.gammas.tolist()).items())},
-                rows=row_acceptance(out.accepted, mask, new_tokens), new_tokens=out.sequences.shape[1] - ids.shape[1],
-                **projection.budget_fields(out, config),
-                **_peak_memory()), out.sequences
-
-
-def row_acceptance(accepted: torch.Tensor, mask: torch.Tensor, budget: int) -> dict:
-    """Per-row tokens per iteration (quantiles), and the slowest rows with their prompt lengths: the batch runs until
-    its slowest row is done, so whether the stragglers share a trait (short, padded prompts) or not matters. A row's
-    last iteration may accept more than the `budget` of new tokens leaves room for (the first new token came from the
-    prefill): only the budget counts."""
-    active = accepted >= 0
-    produced = ((accepted + 1) * active).sum(dim=1).clamp_max(budget - 1)
-    rate = produced.float() / active.sum(dim=1).clamp_min(1).float()
-    quantiles = torch.quantile(rate, torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], device=rate.device)).tolist()
-    prompt = mask.sum(dim=1)
-    slowest = rate.argsort()[:4].tolist()
-    return dict(tokens_per_iteration_quantiles=dict(zip(("min", "p10", "median", "p90", "max"), quantiles)),
-                slowest=[dict(row=r, tokens_per_iteration=float(rate[r]), iterations=int(active[r].sum()),
-                              prompt_tokens=int(prompt[r])) for r in slowest],
-                prompt_tokens_range=[int(prompt.min()), int(prompt.max())])
-
-
-def fp32_greedy(workload, ids, mask, new_tokens) -> torch.Tensor:
-    """Vanilla greedy `generate` with the workload's model loaded in fp32 (HF's default cache and attention): the
-    reference bf16 methods' drift is measured from."""
-    hf_vegas.release_graphs()
-    model, _ = workloads.load_model(workload.model, ids.shape[1] + new_tokens, torch.float32)
-    try:
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, **COMMON_GENERATE)
-    finally:
-        del model
-        torch.cuda.empty_cache()
-
-
-def agreement(sequences: torch.Tensor, reference: torch.Tensor, prompt_width: int) -> dict:
-    """How far greedy tokens agree with another method's on the same prompts: bf16 kernels that round differently
-    (sparse drafts never change greedy tokens; verification and dense kernels may) let rows drift apart."""
-    new, ref = sequences[:, prompt_width:], reference[:, prompt_width:]
-    width = min(new.shape[1], ref.shape[1])
-    differs = new[:, :width] != ref[:, :width]
-    first = torch.where(differs.any(dim=1), differs.float().argmax(dim=1), width)
-    return dict(rows=int(new.shape[0]), identical_rows=int((first == width).sum()),
-                first_divergence=sorted(int(f) for f in first[first < width]), compared_tokens=width)
-
-
-def _peak_memory() -> dict:
-    """Peak GPU memory of the timed call (its prefill included; the weights and, for ours, the pooled cache that the
-    warm-up left are part of it) and what stays allocated after it."""
-    torch.cuda.synchronize()
-    return dict(peak_memory_GiB=torch.cuda.max_memory_allocated() / 2**30,
-                memory_after_GiB=torch.cuda.memory_allocated() / 2**30)
-
-
 def vegas_config(method: str, args) -> hf_vegas.VegasConfig:
     if method == "dense":
         return hf_vegas.VegasConfig(gamma=0, compile=args.compile, tp_all_reduce=args.tp_all_reduce)
@@ -428,75 +333,6 @@ def _add_ratios(record, records) -> None:
         record[f"x_{other['method']}"] = record["tokens_per_s"] / other["tokens_per_s"]
         if other["method"] == "dense":
             record["predicted_x_dense"] = record["bound_tokens_per_s"] / other["bound_tokens_per_s"]
-
-
-def _budget_note(r) -> str:
-    """The drafts' mean budget scale (and, projected, the real model's it was matched to)."""
-    if "budget_scale" not in r:
-        return ""
-    real = f", the real model's {r['projected_budget_scale']:.2f}" if "projected_budget_scale" in r else ""
-    boost = (f" (budget_boost {r['projected_budget_boost']:.2f} for the configured {r['configured_budget_boost']:g})"
-             if "projected_budget_boost" in r else "")
-    return f"; drafts at {r['budget_scale']:.2f}x the plain budget{boost}{real}"
-
-
-def print_table(records) -> None:
-    print(f"\n{'workload':<24} {'decoding':<7} {'method':<9} {'tok/s':>9} {'step ms':>8} {'bound tok/s':>11} "
-          f"{'%bound':>6} {'tok/iter':>8} {'iters':>5} {'tail':>5} {'x hf':>6} {'x dense':>7} {'pred.':>6} "
-          f"{'peak GiB':>8}  split ms (draft/verify/accept/host)")
-    for r in records:
-        name = f"{r['model']}:{r['batch']}x{r['prompt_tokens']}"
-        if "error" in r:
-            print(f"{name:<24} {r['decoding']:<7} {r['method']:<9} {r['error'][:60]}")
-            continue
-        nan = float("nan")
-        split = r.get("split_ms", {})
-        parts = "/".join(f"{split[k]:.2f}" for k in ("draft", "verify", "accept", "host")) if split else ""
-        star = "*" if r.get("projected") else " "
-        print(f"{name:<24} {r['decoding']:<7} {r['method']:<9} {r['tokens_per_s']:>8.0f}{star} {r['step_ms']:>8.2f} "
-              f"{r['bound_tokens_per_s']:>11.0f} {100 * r['fraction_of_bound']:>5.0f}% "
-              f"{r.get('tokens_per_iteration', 1.0):>8.2f} {r.get('iterations') or '':>5} "
-              f"{r.get('straggler_tail', nan):>5.2f} {r.get('x_hf', nan):>6.2f} {r.get('x_dense', nan):>7.2f} "
-              f"{r.get('predicted_x_dense', nan):>6.2f} {r.get('peak_memory_GiB', nan):>8.1f}  {parts}"
-              + (f"  [{' '.join(f'{k}={v}' for k, v in r['tuning_set'].items())}]" if "tuning_set" in r else "")
-              + (f"  pass {r['repeat'] + 1}" if "repeat" in r else ""))
-    print("* projected: measured iteration time x tokens per iteration of the real model (random weights); "
-          "pred.: the traffic model's speedup over dense; tail: iterations over those a row of average acceptance "
-          "needs (the batch waits for its slowest row)")
-    for r in records:
-        if "per_rank_peak_memory_GiB" in r:
-            peaks = ", ".join(f"{g:.1f}" for g in r["per_rank_peak_memory_GiB"] if g is not None)
-            nccl = (f"NCCL {r['nccl_ms_per_iteration']:.2f} ms per iteration ({100 * r['nccl_fraction']:.1f} %)"
-                    if "nccl_ms_per_iteration" in r else "")
-            chosen = (f", of which the selection's all-reduce {r['selection_all_reduce_ms']:.2f} ms"
-                      if "selection_all_reduce_ms" in r else "")
-            print(f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['method']} under TP = {r['world_size']}: "
-                  f"{nccl}{chosen}; peak GiB per rank {peaks}")
-    for r in records:
-        if "draft_step_x_bound" in r:
-            print(f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['decoding']} {r['method']}: draft step "
-                  f"{r['draft_step_ms']:.3f} ms, {r['draft_step_x_bound']:.2f}x its traffic bound "
-                  f"{r['draft_step_bound_ms']:.3f} ms" + _budget_note(r))
-    for r in records:
-        if r.get("rows") and r["method"] != "dense" and not r.get("projected"):  # random weights: no acceptance
-            q, slow = r["rows"]["tokens_per_iteration_quantiles"], r["rows"]["slowest"]
-            name = f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['decoding']} {r['method']}"
-            print(f"{name}: tokens/iteration per row min {q['min']:.2f} p10 {q['p10']:.2f} median {q['median']:.2f} "
-                  f"max {q['max']:.2f}; slowest rows "
-                  + ", ".join(f"#{s['row']} {s['tokens_per_iteration']:.2f} ({s['prompt_tokens']} prompt tokens)"
-                              for s in slow))
-    for r in records:
-        if "agreement_with_fp32" in r:
-            a = r["agreement_with_fp32"]
-            first = sorted(a["first_divergence"] + [a["compared_tokens"]] * a["identical_rows"])
-            print(f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['method']}: greedy tokens identical to vanilla "
-                  f"fp32 in {a['identical_rows']} of {a['rows']} rows; first divergence median "
-                  f"{first[len(first) // 2]}, p10 {first[len(first) // 10]} (of {a['compared_tokens']} new tokens)")
-        if "agreement_with_dense" in r:
-            a = r["agreement_with_dense"]
-            print(f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['method']}: greedy tokens identical to dense in "
-                  f"{a['identical_rows']} of {a['rows']} rows; first divergences at new tokens "
-                  f"{a['first_divergence']}")
 
 
 if __name__ == "__main__":

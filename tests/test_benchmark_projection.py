@@ -85,3 +85,22 @@ def test_a_generations_budget_fields_average_the_scales_of_the_rows_that_drafted
     assert projection.budget_fields(out, unboosted)["budget_scale"] == 1.0
     nothing = type(out)(sequences=out.sequences, accepted=torch.full_like(out.accepted, -1), gammas=out.gammas)
     assert projection.budget_fields(nothing, config) == {}
+
+
+def test_the_table_says_what_budget_the_drafts_ran_at(capsys):
+    from throughput_table import print_table
+
+    timed = dict(model="qwen3-8b-shape", batch=16, prompt_tokens=32768, decoding="greedy", method="vegas",
+                 tokens_per_s=1399.2, step_ms=64.41, bound_tokens_per_s=1995.0, fraction_of_bound=0.70,
+                 tokens_per_iteration=6.53, iterations=31,
+                 split_ms=dict(draft=36.59, verify=27.87, accept=0.14, host=0),
+                 projected=True, draft_step_ms=6.099, draft_step_bound_ms=5.06, draft_step_x_bound=1.205,
+                 budget_scale=1.1216, projected_budget_boost=1.1346, configured_budget_boost=2.0,
+                 projected_budget_scale=1.1346)
+    unboosted = {k: v for k, v in timed.items() if "budget" not in k} | dict(method="streaming")
+    print_table([timed, unboosted])
+    out = capsys.readouterr().out
+    assert "1399*" in out and "36.59/27.87/0.14/0.00" in out
+    assert ("greedy vegas: draft step 6.099 ms, 1.21x its traffic bound 5.060 ms; drafts at 1.12x the plain budget "
+            "(budget_boost 1.13 for the configured 2), the real model's 1.13\n") in out
+    assert "greedy streaming: draft step 6.099 ms, 1.21x its traffic bound 5.060 ms\n" in out, "no scale: no note"

@@ -1,0 +1,71 @@
+"""The table and notes `throughput.py` prints at the end of a run, from its records."""
+
+from __future__ import annotations
+
+def _budget_note(r) -> str:
+    """The drafts' mean budget scale (and, projected, the real model's it was matched to)."""
+    if "budget_scale" not in r:
+        return ""
+    real = f", the real model's {r['projected_budget_scale']:.2f}" if "projected_budget_scale" in r else ""
+    boost = (f" (budget_boost {r['projected_budget_boost']:.2f} for the configured {r['configured_budget_boost']:g})"
+             if "projected_budget_boost" in r else "")
+    return f"; drafts at {r['budget_scale']:.2f}x the plain budget{boost}{real}"
+
+
+def print_table(records) -> None:
+    print(f"\n{'workload':<24} {'decoding':<7} {'method':<9} {'tok/s':>9} {'step ms':>8} {'bound tok/s':>11} "
+          f"{'%bound':>6} {'tok/iter':>8} {'iters':>5} {'tail':>5} {'x hf':>6} {'x dense':>7} {'pred.':>6} "
+          f"{'peak GiB':>8}  split ms (draft/verify/accept/host)")
+    for r in records:
+        name = f"{r['model']}:{r['batch']}x{r['prompt_tokens']}"
+        if "error" in r:
+            print(f"{name:<24} {r['decoding']:<7} {r['method']:<9} {r['error'][:60]}")
+            continue
+        nan = float("nan")
+        split = r.get("split_ms", {})
+        parts = "/".join(f"{split[k]:.2f}" for k in ("draft", "verify", "accept", "host")) if split else ""
+        star = "*" if r.get("projected") else " "
+        print(f"{name:<24} {r['decoding']:<7} {r['method']:<9} {r['tokens_per_s']:>8.0f}{star} {r['step_ms']:>8.2f} "
+              f"{r['bound_tokens_per_s']:>11.0f} {100 * r['fraction_of_bound']:>5.0f}% "
+              f"{r.get('tokens_per_iteration', 1.0):>8.2f} {r.get('iterations') or '':>5} "
+              f"{r.get('straggler_tail', nan):>5.2f} {r.get('x_hf', nan):>6.2f} {r.get('x_dense', nan):>7.2f} "
+              f"{r.get('predicted_x_dense', nan):>6.2f} {r.get('peak_memory_GiB', nan):>8.1f}  {parts}"
+              + (f"  [{' '.join(f'{k}={v}' for k, v in r['tuning_set'].items())}]" if "tuning_set" in r else "")
+              + (f"  pass {r['repeat'] + 1}" if "repeat" in r else ""))
+    print("* projected: measured iteration time x tokens per iteration of the real model (random weights); "
+          "pred.: the traffic model's speedup over dense; tail: iterations over those a row of average acceptance "
+          "needs (the batch waits for its slowest row)")
+    for r in records:
+        if "per_rank_peak_memory_GiB" in r:
+            peaks = ", ".join(f"{g:.1f}" for g in r["per_rank_peak_memory_GiB"] if g is not None)
+            nccl = (f"NCCL {r['nccl_ms_per_iteration']:.2f} ms per iteration ({100 * r['nccl_fraction']:.1f} %)"
+                    if "nccl_ms_per_iteration" in r else "")
+            chosen = (f", of which the selection's all-reduce {r['selection_all_reduce_ms']:.2f} ms"
+                      if "selection_all_reduce_ms" in r else "")
+            print(f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['method']} under TP = {r['world_size']}: "
+                  f"{nccl}{chosen}; peak GiB per rank {peaks}")
+    for r in records:
+        if "draft_step_x_bound" in r:
+            print(f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['decoding']} {r['method']}: draft step "
+                  f"{r['draft_step_ms']:.3f} ms, {r['draft_step_x_bound']:.2f}x its traffic bound "
+                  f"{r['draft_step_bound_ms']:.3f} ms" + _budget_note(r))
+    for r in records:
+        if r.get("rows") and r["method"] != "dense" and not r.get("projected"):  # random weights: no acceptance
+            q, slow = r["rows"]["tokens_per_iteration_quantiles"], r["rows"]["slowest"]
+            name = f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['decoding']} {r['method']}"
+            print(f"{name}: tokens/iteration per row min {q['min']:.2f} p10 {q['p10']:.2f} median {q['median']:.2f} "
+                  f"max {q['max']:.2f}; slowest rows "
+                  + ", ".join(f"#{s['row']} {s['tokens_per_iteration']:.2f} ({s['prompt_tokens']} prompt tokens)"
+                              for s in slow))
+    for r in records:
+        if "agreement_with_fp32" in r:
+            a = r["agreement_with_fp32"]
+            first = sorted(a["first_divergence"] + [a["compared_tokens"]] * a["identical_rows"])
+            print(f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['method']}: greedy tokens identical to vanilla "
+                  f"fp32 in {a['identical_rows']} of {a['rows']} rows; first divergence median "
+                  f"{first[len(first) // 2]}, p10 {first[len(first) // 10]} (of {a['compared_tokens']} new tokens)")
+        if "agreement_with_dense" in r:
+            a = r["agreement_with_dense"]
+            print(f"{r['model']}:{r['batch']}x{r['prompt_tokens']} {r['method']}: greedy tokens identical to dense in "
+                  f"{a['identical_rows']} of {a['rows']} rows; first divergences at new tokens "
+                  f"{a['first_divergence']}")
