@@ -38,15 +38,18 @@ def run_hf(model, ids, mask, new_tokens, decoding) -> tuple[dict, torch.Tensor]:
                 hf=ran, **_peak_memory()), out
 
 
-def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfig) -> dict:
+def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfig, held: float | None = None
+             ) -> dict:
+    """Our warm-up and timed generation; `held`: the rows' rejection average held there (`projection.py`)."""
     common = dict(attention_mask=mask, max_new_tokens=new_tokens, custom_generate="vegas", vegas_config=config,
                   return_dict_in_generate=True, **DECODINGS[decoding], **COMMON_GENERATE)
-    model.generate(ids, **common)  # warm-up: Triton compiles, graphs captured (kept for the timed call)
-    timer = IterationTimes()
-    torch.manual_seed(0)
-    torch.cuda.reset_peak_memory_stats()
-    with timer.record():
-        out = model.generate(ids, **common)
+    with projection.pinned_rejection(held):
+        model.generate(ids, **common)  # warm-up: Triton compiles, graphs captured (kept for the timed call)
+        timer = IterationTimes()
+        torch.manual_seed(0)
+        torch.cuda.reset_peak_memory_stats()
+        with timer.record():
+            out = model.generate(ids, **common)
     accepted = out.accepted[out.accepted >= 0]
     steps = hf_vegas.graphs.pooled_graphs(model)  # how the steps ran: captured graphs, or eagerly and why
     graphs = dict(captures=steps.captures, replays=steps.replays,
@@ -56,7 +59,7 @@ def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfi
                 tokens_per_iteration=float((accepted + 1).float().mean()),
                 gammas_run={str(g): n for g, n in sorted(collections.Counter(out.gammas.tolist()).items())},
                 rows=row_acceptance(out.accepted, mask, new_tokens), new_tokens=out.sequences.shape[1] - ids.shape[1],
-                **projection.budget_fields(out, config),
+                **projection.budget_fields(out, config, held),
                 **_peak_memory()), out.sequences
 
 

@@ -20,8 +20,8 @@ Each runs once to warm up (compile, capture), then once timed. Decode tokens/s =
 from the first token (after the prefill) to the last. EOS is ignored: every row generates exactly the tokens asked.
 Bounds (`hf_vegas/traffic.py`): the bytes a step must read over the read bandwidth measured in this run. On
 random-weight shapes Vegas' throughput is projected: measured iteration time x tokens per iteration of SmolLM2 (same
-decoding), the drafts timed at SmolLM2's mean budget scale (`projection.py`). Vegas' bounds read its drafts' measured
-mean budget scale (`budget_boost`).
+decoding and selection settings), its rows' draft budgets held at SmolLM2's mean scale (`projection.py`). Vegas'
+bounds read its drafts' mean budget scale (`budget_boost`).
 Every record (GPU, versions, commit, workload, config, times, bounds) is appended to --out; a table ends the run.
 """
 
@@ -141,8 +141,9 @@ def main() -> None:
     parser.add_argument("--project-from", type=Path, help="JSONL with real-model records whose tokens/iteration "
                         "project the random-weight shapes' throughput (default: this run's records)")
     parser.add_argument("--projected-budget", choices=projection.BUDGETS, default="matched",
-                        help="random-weight shapes: time the drafts at the real model's mean budget scale (matched) "
-                             "or at the configured budget_boost, which rows of random weights always reach (config)")
+                        help="random-weight shapes: hold the rows' draft budgets at the real model's mean scale "
+                             "(matched), or let their rejections count (config): rows of random weights reject "
+                             "every draft, so they reach the full budget_boost")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.jsonl"))
     parser.add_argument("--fp32-reference", action="store_true",
                         help="also measure each greedy method's first divergence from vanilla fp32 greedy tokens")
@@ -235,10 +236,10 @@ def main() -> None:
         ids, mask = workloads.prompts(workload, tokenizer, texts)
         new_tokens = args.max_new_tokens if workload.real_weights else args.shape_new_tokens
         config = vegas_config(method, args) if method != "hf" else None
-        projected = {}
-        if method in SPECULATIVE and not workload.real_weights:  # drafts timed at the real model's budget scale
-            config, projected = projection.timed_config(
-                config, projection.source(earlier + records, _policy(method), decoding), args.projected_budget)
+        real, held, projected = None, None, {}
+        if method in SPECULATIVE and not workload.real_weights:  # the real model's acceptance and draft budget
+            real = projection.source(earlier + records, config, decoding)
+            held, projected = projection.held_rejection(config, real, args.projected_budget)
         if args.fp32_reference and decoding == "greedy" and workload.real_weights and str(workload) not in fp32_tokens:
             fp32_tokens[str(workload)] = fp32_greedy(workload, ids, mask, new_tokens)
         record = dict(base, sweep=args.sweep, model=workload.model, real_weights=workload.real_weights,
@@ -253,7 +254,7 @@ def main() -> None:
                 hf_vegas.release_graphs()  # give HF the memory our cache held
                 measured, sequences = run_hf(model, ids, mask, new_tokens, decoding)
             else:
-                measured, sequences = run_ours(model, ids, mask, new_tokens, decoding, config)
+                measured, sequences = run_ours(model, ids, mask, new_tokens, decoding, config, held)
             record.update(measured)
             if decoding == "greedy" and method == "dense":
                 dense_tokens[str(workload)] = sequences
@@ -275,12 +276,12 @@ def main() -> None:
             record.update(tensor_parallel_runs.per_rank_peaks(record))
             if "error" not in record:
                 timed = config or hf_vegas.VegasConfig(gamma=0)
-                reach = workload.prompt_tokens + new_tokens + 2 * args.gamma + 1 if timed.gamma else 0
+                reach = workload.prompt_tokens + new_tokens + 2 * timed.max_gamma + 1 if timed.gamma else 0
                 record.update(tensor_parallel_runs.nccl_per_iteration(model, workload.batch, timed, reach))
                 record["nccl_fraction"] = record["nccl_ms_per_iteration"] / record["step_ms"]
         if "error" not in record:
             # the ranks read their shares of the weights and KV at once: the bound is over their bandwidth together
-            _add_throughput(record, model, workload, method, new_tokens, config, earlier + records, bandwidth * world)
+            _add_throughput(record, model, workload, method, new_tokens, config, real, bandwidth * world)
             _add_ratios(record, records)
         records.append(record)
         if leader:
@@ -291,14 +292,16 @@ def main() -> None:
         tensor_parallel_runs.finish()
 
 
-def _add_throughput(record, model, workload, method, new_tokens, config, records, bandwidth) -> None:
+def _add_throughput(record, model, workload, method, new_tokens, config, real, bandwidth) -> None:
+    """Tokens/s, bounds and the draft step of a run; `real`: the real-model record a random-weight shape's Vegas run
+    is projected from (`projection.source`)."""
     if config is not None and config.gamma == "auto":  # the bound of the gamma that ran most (0: the dense path)
         ran = record["gammas_run"]
         gamma = int(max(ran, key=ran.get))
         config, method = (dataclasses.replace(config, gamma=gamma), method) if gamma else (None, "dense")
     speculative = method in SPECULATIVE
     if speculative and not workload.real_weights:  # acceptance of random weights means nothing: project
-        tpi = projection.project(record, projection.source(records, _policy(method), record["decoding"]))
+        tpi = projection.project(record, real)
     else:
         tpi = record.get("tokens_per_iteration", 1.0)
     rejection = projection.rejection(record, config) if speculative else 0.0

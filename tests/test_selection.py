@@ -177,6 +177,20 @@ def test_draft_budget_scales_replay_the_boost_each_draft_read(monkeypatch):
         assert scales[~active[:, k], k].isnan().all()
 
 
+def test_draft_budget_scales_skip_dense_steps_and_finished_rows():
+    """By hand, `gamma="auto"` style: a dense step (gamma 0) neither drafts nor moves the average, a finished row
+    (-1) keeps its average, and each drafting iteration reads the average of two drafting iterations back."""
+    config = VegasConfig(budget_boost=3.0)
+    accepted = torch.tensor([[1, 0, 3, 0, 2],    # rejects, (dense), accepts all, rejects, rejects
+                             [3, 0, 0, -1, -1]])  # accepts all, (dense), rejects, finished
+    gammas = torch.tensor([3, 0, 3, 3, 3])
+    nan = float("nan")
+    # row 0: averages noted 0.5 (it. 0), 0.25 (it. 2), 0.625 (it. 3); read with a lag of one drafting iteration
+    expected = torch.tensor([[1.0, nan, 1.0, 1 + 2 * 0.5, 1 + 2 * 0.25],
+                             [1.0, nan, 1.0, nan, nan]], dtype=torch.float64)
+    torch.testing.assert_close(draft_budget_scales(accepted, gammas, config), expected, equal_nan=True)
+
+
 def test_draft_mask_is_selection_plus_tail():
     sel_idx = torch.tensor([[5, 1, 3, 0], [2, 7, 0, 0]])
     sel_count = torch.tensor([3, 2])
