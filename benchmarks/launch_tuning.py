@@ -8,7 +8,7 @@ import copy
 
 # Keys an attention kind may take beside those its default setting has (`attention.attend` reads them with defaults).
 ATTENTION_KEYS = {"block_n", "num_warps", "num_stages", "waves", "nearest", "fill", "fused_combine",
-                  "fused_combine_max_splits"}
+                  "fused_combine_max_splits", "balance"}
 
 
 def apply_tuning(overrides: list[str]) -> dict:

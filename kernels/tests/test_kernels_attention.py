@@ -119,6 +119,41 @@ def test_a_split_length_gives_long_lists_more_programs(monkeypatch, interpreter_
     _assert_close(got, naive.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
 
 
+@pytest.mark.parametrize("balance", [True, False])
+def test_balanced_drafts_spread_each_rows_own_list_over_the_splits(monkeypatch, interpreter_sms, combine_launches,
+                                                                  balance):
+    """`balance` (the sparse kinds' default): each row's list is divided over the launch's splits by its own length,
+    so a row far shorter than the hint (the most boosted list) keeps every split busy instead of filling the first;
+    the split states the combine reads show it. Either way the result is the reference's."""
+    monkeypatch.setitem(_launch.TUNING, "sparse", {**_launch.TUNING["sparse"], "block_n": 16, "waves": 0,
+                                                  "fused_combine": False, "balance": balance})
+    states = []
+    empty = _launch.empty
+
+    def recorded(*shape, dtype, device):
+        tensor = empty(*shape, dtype=dtype, device=device)
+        if len(shape) == 1 and dtype == torch.float32:  # the split states: maxima, sums, outputs
+            states.append(tensor)
+        return tensor
+
+    monkeypatch.setattr(_launch, "empty", recorded)
+    case = make_case([300, 90, 61], [3, 2, 3], 1, 64, 6, 2, seed=21, sparsity=0.5)  # lists of 151, 46, 32 entries
+    readable = sparse_readable(case)
+    args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
+    got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args,
+                                         list_len=151, split_len=50)  # 3 splits of up to 64 entries (4 blocks)
+    _assert_close(got, naive.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
+    assert combine_launches
+    sums = states[1].view(3, 2, 3, 3)  # (row, KV head, split, query row): each split's softmax sum
+    busy = (sums > 0).all(dim=-1)  # (row, KV head, split): the split read some slot
+    assert busy[0].all(), "the longest list fills its three splits either way"
+    if balance:
+        assert busy[1].all(), "46 entries (3 blocks): a block in each split"
+        assert busy[2, :, :2].all() and not busy[2, :, 2].any(), "32 entries (2 blocks): the third split is empty"
+    else:
+        assert busy[1:, :, 0].all() and not busy[1:, :, 1:].any(), "the short lists all in the first split"
+
+
 @pytest.mark.parametrize("window", [40, 9])
 @pytest.mark.parametrize("tokens", [1, 7])
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS[:2])

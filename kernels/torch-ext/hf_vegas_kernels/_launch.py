@@ -55,10 +55,18 @@ import torch
 # the rule, not a measured count. A 2.3K-slot draft at 16 rows took 46.0 us at 2 splits against 50.0 at 3 on the H200
 # (4.6K slots: 81.2 against 85.0). Merging a verification's splits in the kernel (`fused_combine`, at most
 # FUSED_COMBINE_MAX_SPLITS of them) was slower at every count up to 8 on the H200.
+#
+# `balance` (sparse drafts): each row's list is divided over the launch's splits by its own length, not by the host's
+# hint. With a budget boost the hint is the most boosted list (`SelectionState.draft_list_len`), so a row near the
+# plain budget filled the first split and left the others empty, and the kernel lasts as long as its longest
+# program: at the Qwen3-8B shape 16 x 32K (H200, 8aca627, `attention_splits.py`) a 2,294-slot list took 60.5 us in
+# one split and 46.0 in two. Not yet measured in a generation (stop 42 had no device time left):
+# `throughput.py --tuning-sets "sparse:balance=0 sparse_wide_head:balance=0" ""` is the A/B.
 TUNING = {
     "sparse": {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 2, "nearest": True, "fused_combine": True,
-               "fused_combine_max_splits": 2},
-    "sparse_wide_head": {"block_n": 128, "num_warps": 4, "num_stages": 2, "waves": 2, "nearest": True},
+               "fused_combine_max_splits": 2, "balance": True},
+    "sparse_wide_head": {"block_n": 128, "num_warps": 4, "num_stages": 2, "waves": 2, "nearest": True,
+                         "balance": True},
     "dense": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "fused_combine": True},
     "dense_wide_head": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "fill": 0.9},
     "verify": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "fused_combine": True},

@@ -58,7 +58,7 @@ def _attend_list(
     EMIT: tl.constexpr, EMIT_HALF: tl.constexpr, NUM_SCORE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
     PRECISION: tl.constexpr,
     SINGLE: tl.constexpr, HAS_SINKS: tl.constexpr, FUSED_COMBINE: tl.constexpr, USE_GDC: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr, HAS_TAIL_START: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr, HAS_TAIL_START: tl.constexpr, BALANCE: tl.constexpr,
 ):
     split = tl.program_id(0)
     row_head = tl.program_id(1)
@@ -111,9 +111,13 @@ def _attend_list(
     if SPARSE:
         count = tl.load(SelCount + b)
         n += tl.where(kv_len > 0, count, 0)  # a finished row (`StepPlan.attend_lengths` 0) reads nothing
-    start = split.to(tl.int64) * chunk
+    if BALANCE:  # this row's own list over the splits, in whole blocks: a list shorter than the hint's fills them all
+        row_chunk = tl.cdiv(tl.cdiv(n, BLOCK_N), num_splits) * BLOCK_N
+    else:
+        row_chunk = n * 0 + chunk
+    start = split.to(tl.int64) * row_chunk
     # The last split runs to the end of the list, so a too-small length hint costs balance, never tokens.
-    end = tl.where(split == num_splits - 1, n, tl.minimum(start + chunk, n))
+    end = tl.where(split == num_splits - 1, n, tl.minimum(start + row_chunk, n))
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -398,6 +402,7 @@ def attend(
         BLOCK_E=max(16, triton.next_power_of_2(emit_rows)), PRECISION=_launch.dot_precision(q.dtype),
         SINGLE=single, HAS_SINKS=sinks is not None, FUSED_COMBINE=fused, USE_GDC=_launch.pdl(device),
         EARLY_TRIGGER=_launch.pdl_option(device, "early_trigger"), HAS_TAIL_START=tail_start is not None,
+        BALANCE=sparse and bool(tuning.get("balance", False)),
         num_warps=tuning["num_warps"], num_stages=stages, **_launch.pdl_launch(device),
     )
     if single or fused:
