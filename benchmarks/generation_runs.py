@@ -38,12 +38,13 @@ def run_hf(model, ids, mask, new_tokens, decoding) -> tuple[dict, torch.Tensor]:
                 hf=ran, **_peak_memory()), out
 
 
-def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfig, held: float | None = None
+def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfig, history: list[str] | None = None
              ) -> dict:
-    """Our warm-up and timed generation; `held`: the rows' rejection average held there (`projection.py`)."""
+    """Our warm-up and timed generation; `history`: a real run's rows' rejections its selections note instead of
+    its own (`projection.replaying`)."""
     common = dict(attention_mask=mask, max_new_tokens=new_tokens, custom_generate="vegas", vegas_config=config,
                   return_dict_in_generate=True, **DECODINGS[decoding], **COMMON_GENERATE)
-    with projection.pinned_rejection(held):
+    with projection.replaying(history):
         model.generate(ids, **common)  # warm-up: Triton compiles, graphs captured (kept for the timed call)
         timer = IterationTimes()
         torch.manual_seed(0)
@@ -59,7 +60,7 @@ def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfi
                 tokens_per_iteration=float((accepted + 1).float().mean()),
                 gammas_run={str(g): n for g, n in sorted(collections.Counter(out.gammas.tolist()).items())},
                 rows=row_acceptance(out.accepted, mask, new_tokens), new_tokens=out.sequences.shape[1] - ids.shape[1],
-                **projection.budget_fields(out, config, held),
+                **projection.budget_fields(out, config, history),
                 **_peak_memory()), out.sequences
 
 

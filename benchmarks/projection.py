@@ -5,46 +5,76 @@ things of the real model's run stand in for it:
 
 - tokens per iteration: the projected throughput is the real run's net tokens per iteration (its new tokens over
   its iterations) over this run's mean iteration time;
-- the draft budget: `budget_boost` scales each row's budget by its running rejection average, so rows of random
+- the draft budgets: `budget_boost` scales each row's budget by its running rejection average, so rows of random
   weights, which reject every draft, would draft at the full boost, where the real model's rows, which mostly
-  accept, draft closer to the plain budget. With `--projected-budget matched` (the default) each verification sets
-  every row's average to the value whose boost is the real run's mean draft budget scale (`budget_scale`, from
-  `draft_budget_scales`) instead of folding in the rejection (`pinned_rejection`), so the drafts read as many slots as
-  the real run's did on average; `budget_boost` itself keeps its configured value, because it also sizes the draft
-  attention's splits (`SelectionState.draft_split_len`). `config` lets the rows' rejections count, as before 936660c.
-  Either way the record holds the scale its own drafts ran at and the real run's.
+  accept, draft near the plain budget, a few boosted at a time. With `--projected-budget rows` (the default) each
+  verification notes, for each row, whether a row of the real run rejected a draft at that iteration
+  (`rejected_rows`, `replayed_rejections`) instead of what it did itself: the rows' budgets then follow the real
+  rows' iteration by iteration, their spread included, which matters because the draft attention lasts as long
+  as its longest program (`_launch.TUNING`'s `balance`). `config` lets the rows' own rejections count.
+  The record holds the mean scale its drafts ran at (`budget_scale`) and the real run's.
 
-(936660c..a608a8c set `budget_boost` to the real run's scale instead: its drafts read the right number of slots, but
-in shorter splits than the configured boost gives, so the draft attention ran faster than it would.)
+(936660c..3eb2212 timed them otherwise: 936660c set `budget_boost` to the real run's mean scale, which also sized the
+draft attention's splits (`SelectionState.draft_split_len`) shorter than the configured boost gives; ceee970 held
+every row at the mean, which leaves out the few boosted rows that set a balanced kernel's time.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
 import hf_vegas
 from hf_vegas.selection_state import SelectionState, draft_budget_scales
 
-BUDGETS = ("matched", "config")
-
-
-# The selection settings a projection's source must share with the shape it projects.
+BUDGETS = ("rows", "config")
+# The selection settings a projection's source must share with the shape it projects (`selection_heads` is left out:
+# it matters under tensor parallelism only, and the real-model sources run on one GPU).
 SELECTION_SETTINGS = ("gamma", "sparsity", "min_tokens", "budget_boost", "score", "policy")
 
 
-def budget_fields(out, config: hf_vegas.VegasConfig, pinned: float | None = None) -> dict:
-    """A finished Vegas generation's mean draft budget scale over the (row, iteration) pairs that drafted, and the
-    share of those whose verification rejected a draft; `pinned`: the average `pinned_rejection` held."""
-    update = None if pinned is None else _held(pinned)
-    scales = draft_budget_scales(out.accepted, out.gammas, config, **({"update": update} if update else {}))
+def rejected_rows(out) -> list[str]:
+    """Per row of a finished Vegas generation, one character per drafting iteration: "1" its verification rejected a
+    draft, "0" it accepted them all, "-" the row had finished."""
+    drafting = out.gammas > 0
+    accepted, gammas = out.accepted[:, drafting.to(out.accepted.device)], out.gammas[drafting]
+    marks = torch.where(accepted < 0, 2, (accepted < gammas.to(accepted.device)[None, :]).long())
+    return ["".join("01-"[int(m)] for m in row) for row in marks.tolist()]
+
+
+def replayed_rejections(history: list[str], batch: int, iterations: int, gamma: int) -> torch.Tensor:
+    """`(batch, iterations)` accepted counts that reject where the real run's rows did: row `b` follows real row
+    `b * R // batch` (R rows), iteration `k` its `k`-th drafting iteration (cycling past its end; a finished real row
+    counts as accepting). 0 rejects, `gamma` accepts all."""
+    return torch.tensor([_replayed(history, batch, k, gamma) for k in range(iterations)]).T.reshape(batch, iterations)
+
+
+def _replayed(history: list[str], batch: int, k: int, gamma: int) -> list[int]:
+    rows = (history[b * len(history) // batch] for b in range(batch))
+    return [0 if row[k % len(row)] == "1" else gamma for row in rows]
+
+
+def budget_fields(out, config: hf_vegas.VegasConfig, history: list[str] | None = None) -> dict:
+    """A finished Vegas generation's mean draft budget scale over the (row, iteration) pairs that drafted, the share of
+    those whose verification rejected a draft, and each row's rejections (`rejected_rows`). `history`: the real rows'
+    rejections its selections noted instead of its own (`replaying`)."""
+    if not bool((out.gammas > 0).any()):
+        return {}
+    noted = out.accepted
+    if history is not None:  # what the replay made each selection note, in the drafting iterations
+        drafting = (out.gammas > 0).nonzero().flatten().tolist()
+        gamma = int(out.gammas.max())
+        replay = replayed_rejections(history, out.accepted.shape[0], len(drafting), gamma).to(noted.device)
+        noted = noted.clone()
+        noted[:, drafting] = torch.where(out.accepted[:, drafting] >= 0, replay, -1)
+    scales = draft_budget_scales(noted, out.gammas, config)
     drafted = ~scales.isnan()
     if not drafted.any():
         return {}
     rejected = out.accepted < out.gammas.to(out.accepted.device)[None, :]
-    return dict(budget_scale=float(scales[drafted].mean()), rejection_share=float(rejected[drafted].float().mean()))
+    return dict(budget_scale=float(scales[drafted].mean()), rejection_share=float(rejected[drafted].float().mean()),
+                rejected_rows=rejected_rows(out))
 
 
 def source(records: list[dict], config: hf_vegas.VegasConfig, decoding: str) -> dict | None:
@@ -55,46 +85,47 @@ def source(records: list[dict], config: hf_vegas.VegasConfig, decoding: str) -> 
     return max(reversed(real), key=lambda r: r["batch"]) if real else None  # (max keeps the first of equals)
 
 
-def held_rejection(config: hf_vegas.VegasConfig, real: dict | None, budget: str) -> tuple[float | None, dict]:
-    """The rejection average to hold a random-weight shape's rows at (None: let their rejections count), and what the
+def history(config: hf_vegas.VegasConfig, real: dict | None, budget: str) -> tuple[list[str] | None, dict]:
+    """The real rows' rejections a random-weight shape's selections should note (None: their own), and what the
     record should say about it."""
     if budget not in BUDGETS:
         raise ValueError(f"projected budget must be one of {BUDGETS}, got {budget!r}")
     if real is None or budget == "config" or config.budget_boost <= 1:
         return None, {}
-    if "budget_scale" not in real:
-        print(f"note: the projection's source ({real['model']} batch {real['batch']}, {real.get('commit')}) has no "
-              "budget_scale; its rows' rejections count, and rows of random weights reject every draft")
+    if not real.get("rejected_rows"):
+        print(f"note: the projection's source ({real['model']} {real['batch']}x{real['prompt_tokens']}, "
+              f"{real.get('commit')}) has no rejected_rows; the rows' own rejections count, and rows of random "
+              "weights reject every draft (the full budget_boost)")
         return None, {}
-    held = min(max((real["budget_scale"] - 1) / (config.budget_boost - 1), 0.0), 1.0)
-    return held, dict(held_rejection=held)
-
-
-def _held(value: float):
-    """An update of the rows' rejection averages (as `updated_rejection`) that sets every active row's to `value`."""
-    def update(rejection, accepted, gamma, active):
-        return torch.where(active, torch.full_like(rejection, value), rejection)
-    return update
+    return real["rejected_rows"], dict(replayed_rejections_from=f"{real['model']} {real['batch']}x"
+                                                                f"{real['prompt_tokens']} ({real.get('commit')})")
 
 
 @contextlib.contextmanager
-def pinned_rejection(value: float | None):
-    """While open, each verification sets its active rows' rejection averages to `value` instead of folding in whether
-    they rejected a draft (`SelectionState.note_acceptance`); None: nothing changes. Put back on exit."""
-    if value is None:
+def replaying(history: list[str] | None):
+    """While open, each verification's `SelectionState.note_acceptance` notes the real rows' rejections
+    (`replayed_rejections`) instead of what its rows accepted, through the library's own update; a new generation
+    starts the history over. None: nothing changes. Put back on exit."""
+    if history is None:
         yield
         return
-    original, update = SelectionState.note_acceptance, _held(value)
+    note, restart = SelectionState.note_acceptance, SelectionState.restart
 
     def note_acceptance(self, accepted, active):
-        if self.config.budget_boost > 1:
-            self.rejection.copy_(update(self.rejection, accepted, self.gamma, active))
+        k = getattr(self, "_replayed_iterations", 0)
+        self._replayed_iterations = k + 1
+        replay = torch.tensor(_replayed(history, accepted.shape[0], k, self.gamma), dtype=accepted.dtype)
+        note(self, replay.to(accepted.device), active)
 
-    SelectionState.note_acceptance = note_acceptance
+    def restarted(self):
+        self._replayed_iterations = 0
+        restart(self)
+
+    SelectionState.note_acceptance, SelectionState.restart = note_acceptance, restarted
     try:
         yield
     finally:
-        SelectionState.note_acceptance = original
+        SelectionState.note_acceptance, SelectionState.restart = note, restart
 
 
 def project(record: dict, real: dict | None) -> float:
@@ -116,6 +147,6 @@ def rejection(record: dict, config: hf_vegas.VegasConfig) -> float:
     """The rejection average at which `config`'s boost equals the record's mean draft budget scale: what the traffic
     bounds read (0 without a boost or a measured scale: the plain budget)."""
     boost = float(config.budget_boost)
-    if boost <= 1 or "budget_scale" not in record or not math.isfinite(record["budget_scale"]):
+    if boost <= 1 or "budget_scale" not in record:
         return 0.0
     return min(max((record["budget_scale"] - 1) / (boost - 1), 0.0), 1.0)

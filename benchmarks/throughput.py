@@ -20,7 +20,7 @@ Each runs once to warm up (compile, capture), then once timed. Decode tokens/s =
 from the first token (after the prefill) to the last. EOS is ignored: every row generates exactly the tokens asked.
 Bounds (`hf_vegas/traffic.py`): the bytes a step must read over the read bandwidth measured in this run. On
 random-weight shapes Vegas' throughput is projected: measured iteration time x tokens per iteration of SmolLM2 (same
-decoding and selection settings), its rows' draft budgets held at SmolLM2's mean scale (`projection.py`). Vegas'
+decoding and selection settings), its rows' draft budgets following SmolLM2's rows' (`projection.py`). Vegas'
 bounds read its drafts' mean budget scale (`budget_boost`).
 Every record (GPU, versions, commit, workload, config, times, bounds) is appended to --out; a table ends the run.
 """
@@ -140,9 +140,9 @@ def main() -> None:
     parser.add_argument("--text-column", default="text")
     parser.add_argument("--project-from", type=Path, help="JSONL with real-model records whose tokens/iteration "
                         "project the random-weight shapes' throughput (default: this run's records)")
-    parser.add_argument("--projected-budget", choices=projection.BUDGETS, default="matched",
-                        help="random-weight shapes: hold the rows' draft budgets at the real model's mean scale "
-                             "(matched), or let their rejections count (config): rows of random weights reject "
+    parser.add_argument("--projected-budget", choices=projection.BUDGETS, default="rows",
+                        help="random-weight shapes: their selections note the real model's rows' rejections, "
+                             "iteration by iteration (rows), or their own (config): rows of random weights reject "
                              "every draft, so they reach the full budget_boost")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.jsonl"))
     parser.add_argument("--fp32-reference", action="store_true",
@@ -236,10 +236,10 @@ def main() -> None:
         ids, mask = workloads.prompts(workload, tokenizer, texts)
         new_tokens = args.max_new_tokens if workload.real_weights else args.shape_new_tokens
         config = vegas_config(method, args) if method != "hf" else None
-        real, held, projected = None, None, {}
+        real, history, projected = None, None, {}
         if method in SPECULATIVE and not workload.real_weights:  # the real model's acceptance and draft budget
             real = projection.source(earlier + records, config, decoding)
-            held, projected = projection.held_rejection(config, real, args.projected_budget)
+            history, projected = projection.history(config, real, args.projected_budget)
         if args.fp32_reference and decoding == "greedy" and workload.real_weights and str(workload) not in fp32_tokens:
             fp32_tokens[str(workload)] = fp32_greedy(workload, ids, mask, new_tokens)
         record = dict(base, sweep=args.sweep, model=workload.model, real_weights=workload.real_weights,
@@ -254,7 +254,7 @@ def main() -> None:
                 hf_vegas.release_graphs()  # give HF the memory our cache held
                 measured, sequences = run_hf(model, ids, mask, new_tokens, decoding)
             else:
-                measured, sequences = run_ours(model, ids, mask, new_tokens, decoding, config, held)
+                measured, sequences = run_ours(model, ids, mask, new_tokens, decoding, config, history)
             record.update(measured)
             if decoding == "greedy" and method == "dense":
                 dense_tokens[str(workload)] = sequences
@@ -275,8 +275,9 @@ def main() -> None:
                 record["error"] = "another rank's measurement failed"
             record.update(tensor_parallel_runs.per_rank_peaks(record))
             if "error" not in record:
-                timed = config or hf_vegas.VegasConfig(gamma=0)
-                reach = workload.prompt_tokens + new_tokens + 2 * timed.max_gamma + 1 if timed.gamma else 0
+                ran = _as_run(config, record) if config is not None else 0
+                timed = ran or hf_vegas.VegasConfig(gamma=0, tp_all_reduce=args.tp_all_reduce)
+                reach = workload.prompt_tokens + new_tokens + 2 * timed.gamma + 1 if timed.gamma else 0
                 record.update(tensor_parallel_runs.nccl_per_iteration(model, workload.batch, timed, reach))
                 record["nccl_fraction"] = record["nccl_ms_per_iteration"] / record["step_ms"]
         if "error" not in record:
@@ -296,9 +297,8 @@ def _add_throughput(record, model, workload, method, new_tokens, config, real, b
     """Tokens/s, bounds and the draft step of a run; `real`: the real-model record a random-weight shape's Vegas run
     is projected from (`projection.source`)."""
     if config is not None and config.gamma == "auto":  # the bound of the gamma that ran most (0: the dense path)
-        ran = record["gammas_run"]
-        gamma = int(max(ran, key=ran.get))
-        config, method = (dataclasses.replace(config, gamma=gamma), method) if gamma else (None, "dense")
+        ran = _as_run(config, record)
+        config, method = (ran, method) if ran else (None, "dense")
     speculative = method in SPECULATIVE
     if speculative and not workload.real_weights:  # acceptance of random weights means nothing: project
         tpi = projection.project(record, real)
@@ -321,6 +321,15 @@ def _add_throughput(record, model, workload, method, new_tokens, config, real, b
         # The batch runs until its slowest row is done: iterations over what a row of average acceptance needs.
         # 1 for the dense path; the gap between Vegas' per-iteration rate and its tokens/s.
         record["straggler_tail"] = record["iterations"] * tpi / (new_tokens - 1)
+
+
+def _as_run(config: hf_vegas.VegasConfig, record: dict) -> hf_vegas.VegasConfig | int:
+    """`config` with the gamma a `gamma="auto"` run ran most, or 0 where that was its dense path; else `config`."""
+    if config.gamma != "auto":
+        return config
+    ran = record["gammas_run"]
+    gamma = int(max(ran, key=ran.get))
+    return dataclasses.replace(config, gamma=gamma) if gamma else 0
 
 
 def _add_ratios(record, records) -> None:

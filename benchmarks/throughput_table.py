@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 def _budget_note(r) -> str:
-    """The drafts' mean budget scale (and, projected, the real model's it was held at)."""
+    """The drafts' mean budget scale (and, projected, whose rejections they followed and the real model's)."""
     if "budget_scale" not in r:
         return ""
     real = f", the real model's {r['projected_budget_scale']:.2f}" if "projected_budget_scale" in r else ""
-    held = f" (rejection average held at {r['held_rejection']:.3f})" if "held_rejection" in r else ""
+    held = (f" (rows' rejections replayed from {r['replayed_rejections_from']})" if "replayed_rejections_from" in r
+            else "")
     if "projected_budget_boost" in r:  # (936660c..a608a8c: the boost itself set to the real model's scale)
         held = f" (budget_boost {r['projected_budget_boost']:.2f} for the configured {r['configured_budget_boost']:g})"
     return f"; drafts at {r['budget_scale']:.2f}x the plain budget{held}{real}"

@@ -183,15 +183,13 @@ def updated_rejection(rejection: torch.Tensor, accepted: torch.Tensor, gamma: in
     return torch.where(active, 0.5 * (rejection + rejected), rejection)
 
 
-def draft_budget_scales(accepted: torch.Tensor, gammas: torch.Tensor, config: VegasConfig,
-                        update=updated_rejection) -> torch.Tensor:
+def draft_budget_scales(accepted: torch.Tensor, gammas: torch.Tensor, config: VegasConfig) -> torch.Tensor:
     """`(B, iterations)`: the boost `1 + (budget_boost - 1) * r` each row's budget was scaled by (before the budget's
     rounding up and its cap at the candidates) in the drafts of each iteration of a finished generation (its output's
     `accepted` and `gammas`), NaN where the row drafted nothing (finished, or a dense step of `gamma="auto"`, which
-    neither selects nor notes an acceptance). Replays the running average `note_acceptance` keeps (`update`: how a
-    verification moves it, `updated_rejection` unless the caller held it otherwise): an iteration's drafts read the
-    selection of the drafting iteration before it, made before that iteration's acceptance was noted, so the first
-    two drafting iterations read selections made at rejection 0."""
+    neither selects nor notes an acceptance). Replays the running average `note_acceptance` keeps: an iteration's
+    drafts read the selection of the drafting iteration before it, made before that iteration's acceptance was
+    noted, so the first two drafting iterations read selections made at rejection 0."""
     rejection = torch.zeros(accepted.shape[0], dtype=torch.float32, device=accepted.device)  # (the library's dtype)
     scales = torch.full(accepted.shape, float("nan"), dtype=torch.float64, device=accepted.device)
     used = rejection.clone()  # the average the current iteration's selection was made with
@@ -201,7 +199,7 @@ def draft_budget_scales(accepted: torch.Tensor, gammas: torch.Tensor, config: Ve
         if gamma > 0:
             scales[:, k] = torch.where(active, config.boost(used.double()), float("nan"))
             used = rejection.clone()  # the next iteration's selection is made before this one's acceptance is noted
-            rejection = update(rejection, accepted[:, k], gamma, active)
+            rejection = updated_rejection(rejection, accepted[:, k], gamma, active)
     return scales
 
 

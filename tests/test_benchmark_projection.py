@@ -4,6 +4,7 @@ per iteration, and its drafts' budget scale for the timed drafts and the traffic
 import math
 import pathlib
 import sys
+import types
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from workloads import Workload  # noqa: E402
 CONFIG = VegasConfig(gamma=6)
 REAL = dict(real_weights=True, method="vegas", decoding="greedy", model="smollm2", batch=64, prompt_tokens=7502,
             commit="abc", config=CONFIG.to_dict(), tokens_per_iteration=6.5, new_tokens=256, iterations=45,
-            budget_scale=1.3)
+            budget_scale=1.3, rejected_rows=["0100", "0011", "1-", "0000"])
 
 
 def test_the_source_is_the_latest_real_run_of_the_largest_batch_with_the_same_settings_and_decoding():
@@ -38,59 +39,77 @@ def test_the_source_is_the_latest_real_run_of_the_largest_batch_with_the_same_se
     assert projection.source(records, VegasConfig(gamma=6, compile=True, backend="torch"), "greedy") is records[2]
 
 
-def test_matched_budget_holds_the_rows_at_the_average_whose_boost_is_the_real_runs_mean_scale(capsys):
-    held, fields = projection.held_rejection(CONFIG, REAL, "matched")
-    assert held == pytest.approx(0.3) and fields == dict(held_rejection=held)
-    boost3 = VegasConfig(gamma=6, budget_boost=3.0)
-    assert projection.held_rejection(boost3, REAL, "matched")[0] == pytest.approx(0.15)
-    assert projection.held_rejection(CONFIG, dict(REAL, budget_scale=2.6), "matched")[0] == 1.0, "at most the boost"
-    assert projection.held_rejection(CONFIG, REAL, "config") == (None, {})
-    assert projection.held_rejection(CONFIG, None, "matched") == (None, {})
-    assert projection.held_rejection(VegasConfig(gamma=6, budget_boost=1.0), REAL, "matched") == (None, {})
-    old = {k: v for k, v in REAL.items() if k != "budget_scale"}
-    assert projection.held_rejection(CONFIG, old, "matched") == (None, {})
-    assert "has no budget_scale" in capsys.readouterr().out, "a record from before the scale was kept says so"
+def test_a_real_runs_rows_are_replayed_iteration_by_iteration(capsys):
+    history, fields = projection.history(CONFIG, REAL, "rows")
+    assert history == REAL["rejected_rows"] and fields == dict(replayed_rejections_from="smollm2 64x7502 (abc)")
+    assert projection.history(CONFIG, REAL, "config") == (None, {})
+    assert projection.history(CONFIG, None, "rows") == (None, {})
+    assert projection.history(VegasConfig(gamma=6, budget_boost=1.0), REAL, "rows") == (None, {})
+    old = {k: v for k, v in REAL.items() if k != "rejected_rows"}
+    assert projection.history(CONFIG, old, "rows") == (None, {})
+    assert "has no rejected_rows" in capsys.readouterr().out, "a record from before the rows were kept says so"
     with pytest.raises(ValueError, match="projected budget must be one of"):
-        projection.held_rejection(CONFIG, REAL, "half")
+        projection.history(CONFIG, REAL, "half")
+    # 2 rows follow real rows 0 and 2 (of 4); past a row's end its history starts over; "-" (finished) accepts
+    replay = projection.replayed_rejections(REAL["rejected_rows"], 2, 5, gamma=6)
+    assert replay.tolist() == [[6, 0, 6, 6, 6], [0, 6, 0, 6, 0]]
+    assert projection.replayed_rejections(["01"], 3, 2, gamma=4).tolist() == [[4, 0]] * 3
 
 
-def test_a_held_rejection_sets_every_selection_after_the_first_verification_and_is_put_back(monkeypatch):
-    """Inside `pinned_rejection` each verification sets its active rows' averages to the held value (whatever they
-    accepted), with the configured boost kept (it sizes the draft attention's splits); the replay in `budget_fields`
-    gives what the selections read; on exit, even through an error, the library's `note_acceptance` is back."""
+def test_rejected_rows_mark_each_drafting_iteration():
+    out = types.SimpleNamespace(accepted=torch.tensor([[3, 0, 1, 3], [2, 0, 3, -1]]),
+                                gammas=torch.tensor([3, 0, 3, 3]))
+    assert projection.rejected_rows(out) == ["010", "10-"], "the dense step (gamma 0) is left out"
+
+
+def test_replayed_selections_note_the_real_rows_and_the_library_is_put_back(monkeypatch):
+    """Inside `replaying` each verification notes, for its rows, the real run's rejections at that iteration (through
+    the library's own update, into the same tensor a captured graph reads), a new generation starts the history over,
+    and `budget_fields` replays what the selections read; on exit, even through an error, the library is back."""
     import hf_vegas.selection_state as state
 
     seen = []
 
     def spy(candidates, config, rejection=None):
-        seen.append(rejection.clone())
+        seen.append((rejection.clone(), rejection.data_ptr()))
         return budget_tensor(candidates, config, rejection)
 
     budget_tensor = state.budget_tensor
     monkeypatch.setattr(state, "budget_tensor", spy)
-    original = state.SelectionState.note_acceptance
+    original = (state.SelectionState.note_acceptance, state.SelectionState.restart)
     config = VegasConfig(gamma=3, sparsity=0.2, min_tokens=4, budget_boost=3.0, cuda_graphs=False)
     ids, mask = ragged_batch([40, 27, 33], seed=1)
-    with projection.pinned_rejection(0.25):
-        out = tiny_model("llama").generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False,
-                                           pad_token_id=0, custom_generate="vegas", vegas_config=config,
-                                           return_dict_in_generate=True)
-    assert state.SelectionState.note_acceptance is original
+    history = ["1100", "0000", "0101"]
+    model = tiny_model("llama")
+    common = dict(attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0, custom_generate="vegas",
+                  vegas_config=config, return_dict_in_generate=True)
+    with projection.replaying(history):
+        out = model.generate(ids, **common)
+        first = list(seen)
+        seen.clear()
+        again = model.generate(ids, **common)
+    assert (state.SelectionState.note_acceptance, state.SelectionState.restart) == original
+    assert torch.equal(again.accepted, out.accepted)
+    assert [r.tolist() for r, _ in seen] == [r.tolist() for r, _ in first], "the second generation starts over"
+    assert len({ptr for _, ptr in first}) == 1, "written in place: a captured graph reads the same tensor"
     active = out.accepted >= 0
     assert not active.all() and out.accepted.shape[1] >= 4, "the case needs a row that finished early"
-    assert not seen[0].any() and not seen[1].any(), "the prefill's and the first verification's selections: at 0"
-    for k in range(2, out.accepted.shape[1]):
-        row_was_active = active[:, k - 1]  # the rows the previous verification noted
-        assert torch.all(seen[k][row_was_active] == 0.25), k
-    fields = projection.budget_fields(out, config, pinned=0.25)
-    scales = torch.tensor([1.0 if k < 2 else 1.5 for k in range(out.accepted.shape[1])], dtype=torch.float64)
-    assert fields["budget_scale"] == pytest.approx(float(scales.expand_as(out.accepted)[active].mean()))
-    assert projection.budget_fields(out, config)["budget_scale"] != fields["budget_scale"], "the replay read the hold"
-    with pytest.raises(RuntimeError, match="boom"), projection.pinned_rejection(0.5):
+    replay = projection.replayed_rejections(history, 3, out.accepted.shape[1], 3)
+    expected = torch.zeros(3)
+    for k in range(min(out.accepted.shape[1], len(first) - 2)):  # the prefill's, then verification j's after j notes
+        rejected = (replay[:, k] < 3).float()
+        expected = torch.where(active[:, k], 0.5 * (expected + rejected), expected)
+        assert torch.equal(first[k + 2][0], expected), k
+    fields = projection.budget_fields(out, config, history)
+    noted = torch.where(active, replay, -1)
+    scales = state.draft_budget_scales(noted, out.gammas, config)
+    assert fields["budget_scale"] == pytest.approx(float(scales[active].mean()))
+    assert fields["budget_scale"] != projection.budget_fields(out, config)["budget_scale"], "the replay counted"
+    with pytest.raises(RuntimeError, match="boom"), projection.replaying(history):
         raise RuntimeError("boom")
-    assert state.SelectionState.note_acceptance is original
-    with projection.pinned_rejection(None):
-        assert state.SelectionState.note_acceptance is original, "None: nothing held"
+    assert (state.SelectionState.note_acceptance, state.SelectionState.restart) == original
+    with projection.replaying(None):
+        assert state.SelectionState.note_acceptance is original[0], "None: nothing replayed"
 
 
 def test_a_projected_record_takes_the_real_tokens_per_iteration_and_says_from_what():
@@ -144,11 +163,12 @@ def test_the_table_says_what_budget_the_drafts_ran_at(capsys):
                  tokens_per_iteration=6.53, iterations=31,
                  split_ms=dict(draft=36.59, verify=27.87, accept=0.14, host=0),
                  projected=True, draft_step_ms=6.099, draft_step_bound_ms=5.06, draft_step_x_bound=1.205,
-                 budget_scale=1.1216, held_rejection=0.1346, projected_budget_scale=1.1346)
+                 budget_scale=1.1216, replayed_rejections_from="smollm2 64x7502 (abc)",
+                 projected_budget_scale=1.1346)
     unboosted = {k: v for k, v in timed.items() if "budget" not in k} | dict(method="streaming")
     print_table([timed, unboosted])
     out = capsys.readouterr().out
     assert "1399*" in out and "36.59/27.87/0.14/0.00" in out
     assert ("greedy vegas: draft step 6.099 ms, 1.21x its traffic bound 5.060 ms; drafts at 1.12x the plain budget "
-            "(rejection average held at 0.135), the real model's 1.13\n") in out
+            "(rows' rejections replayed from smollm2 64x7502 (abc)), the real model's 1.13\n") in out
     assert "greedy streaming: draft step 6.099 ms, 1.21x its traffic bound 5.060 ms\n" in out, "no scale: no note"
