@@ -176,8 +176,8 @@ def sweep(name, batch, context, dtype, bandwidth, base, write, draft_only=False,
             setting = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves,
                        "fused_combine": fused}
             # sparse and dense lists alike
-            for kind in kinds:
-                _launch.TUNING[kind] = dict(setting)
+            for kind in kinds:  # (a kind's switches outside the grid, as `balance`, keep their defaults)
+                _launch.TUNING[kind] = {**{k: v for k, v in default[kind].items() if k == "balance"}, **setting}
             times = bench_shape(name, batch, context, dtype, bandwidth, base, lambda record: None,
                                 light="draft" if draft_only else "verify" if verify_only else True)
             write({**base, "sweep": setting, "shape": name, "batch": batch, "context": context,

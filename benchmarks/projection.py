@@ -12,10 +12,12 @@ things of the real model's run stand in for it:
   (`rejected_rows`, `replayed_rejections`) instead of what it did itself: the rows' budgets then follow the real
   rows' iteration by iteration, their spread included, which matters because the draft attention lasts as long
   as its longest program (`_launch.TUNING`'s `balance`). `config` lets the rows' own rejections count.
-  The record holds the mean scale its drafts ran at (`budget_scale`) and the real run's.
+  The record holds the mean scale its drafts ran at (`budget_scale`) and the real run's. A shape's run replays the
+  first of the real run's iterations only (a 32-token shape: 31 of SmolLM2's 45), so its scale may differ from the
+  real run's whole-run mean.
 
 (936660c..3eb2212 timed them otherwise: 936660c set `budget_boost` to the real run's mean scale, which also sized the
-draft attention's splits (`SelectionState.draft_split_len`) shorter than the configured boost gives; ceee970 held
+draft attention's split hint (`SelectionState.draft_list_len`) shorter than the configured boost gives; ceee970 held
 every row at the mean, which leaves out the few boosted rows that set a balanced kernel's time.)
 """
 
@@ -90,14 +92,17 @@ def history(config: hf_vegas.VegasConfig, real: dict | None, budget: str) -> tup
     record should say about it."""
     if budget not in BUDGETS:
         raise ValueError(f"projected budget must be one of {BUDGETS}, got {budget!r}")
-    if real is None or budget == "config" or config.budget_boost <= 1:
+    if real is None or config.budget_boost <= 1:
         return None, {}
+    if budget == "config":
+        return None, dict(projected_budget="config")
     if not real.get("rejected_rows"):
         print(f"note: the projection's source ({real['model']} {real['batch']}x{real['prompt_tokens']}, "
               f"{real.get('commit')}) has no rejected_rows; the rows' own rejections count, and rows of random "
               "weights reject every draft (the full budget_boost)")
-        return None, {}
-    return real["rejected_rows"], dict(replayed_rejections_from=f"{real['model']} {real['batch']}x"
+        return None, dict(projected_budget="config (the source has no rejected_rows)")
+    return real["rejected_rows"], dict(projected_budget="rows",
+                                       replayed_rejections_from=f"{real['model']} {real['batch']}x"
                                                                 f"{real['prompt_tokens']} ({real.get('commit')})")
 
 
@@ -110,15 +115,19 @@ def replaying(history: list[str] | None):
         yield
         return
     note, restart = SelectionState.note_acceptance, SelectionState.restart
+    length = max(len(row) for row in history)
 
     def note_acceptance(self, accepted, active):
         k = getattr(self, "_replayed_iterations", 0)
         self._replayed_iterations = k + 1
-        replay = torch.tensor(_replayed(history, accepted.shape[0], k, self.gamma), dtype=accepted.dtype)
-        note(self, replay.to(accepted.device), active)
+        if getattr(self, "_replayed", None) is None:  # on the device once: no copy, so no sync, per iteration
+            rejects = replayed_rejections(history, accepted.shape[0], length, 1) == 0
+            self._replayed = rejects.pin_memory().to(accepted.device, non_blocking=True) if accepted.is_cuda \
+                else rejects
+        note(self, torch.where(self._replayed[:, k % length], 0, self.gamma).to(accepted.dtype), active)
 
-    def restarted(self):
-        self._replayed_iterations = 0
+    def restarted(self):  # a new generation: the history from its start, built for this batch
+        self._replayed_iterations, self._replayed = 0, None
         restart(self)
 
     SelectionState.note_acceptance, SelectionState.restart = note_acceptance, restarted

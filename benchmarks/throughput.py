@@ -275,8 +275,11 @@ def main() -> None:
                 record["error"] = "another rank's measurement failed"
             record.update(tensor_parallel_runs.per_rank_peaks(record))
             if "error" not in record:
-                ran = _as_run(config, record) if config is not None else 0
-                timed = ran or hf_vegas.VegasConfig(gamma=0, tp_all_reduce=args.tp_all_reduce)
+                if config is None:  # HF's generate: transformers' NCCL sums
+                    timed = hf_vegas.VegasConfig(gamma=0)
+                else:  # (a gamma="auto" run that mostly ran its dense path: dense steps' collectives)
+                    dense = hf_vegas.VegasConfig(gamma=0, tp_all_reduce=config.tp_all_reduce)
+                    timed = _as_run(config, record) or dense
                 reach = workload.prompt_tokens + new_tokens + 2 * timed.gamma + 1 if timed.gamma else 0
                 record.update(tensor_parallel_runs.nccl_per_iteration(model, workload.batch, timed, reach))
                 record["nccl_fraction"] = record["nccl_ms_per_iteration"] / record["step_ms"]

@@ -41,12 +41,14 @@ def test_the_source_is_the_latest_real_run_of_the_largest_batch_with_the_same_se
 
 def test_a_real_runs_rows_are_replayed_iteration_by_iteration(capsys):
     history, fields = projection.history(CONFIG, REAL, "rows")
-    assert history == REAL["rejected_rows"] and fields == dict(replayed_rejections_from="smollm2 64x7502 (abc)")
-    assert projection.history(CONFIG, REAL, "config") == (None, {})
+    assert history == REAL["rejected_rows"]
+    assert fields == dict(projected_budget="rows", replayed_rejections_from="smollm2 64x7502 (abc)")
+    assert projection.history(CONFIG, REAL, "config") == (None, dict(projected_budget="config"))
     assert projection.history(CONFIG, None, "rows") == (None, {})
     assert projection.history(VegasConfig(gamma=6, budget_boost=1.0), REAL, "rows") == (None, {})
     old = {k: v for k, v in REAL.items() if k != "rejected_rows"}
-    assert projection.history(CONFIG, old, "rows") == (None, {})
+    assert projection.history(CONFIG, old, "rows") == (None, dict(projected_budget="config (the source has no "
+                                                                                 "rejected_rows)")), "recorded"
     assert "has no rejected_rows" in capsys.readouterr().out, "a record from before the rows were kept says so"
     with pytest.raises(ValueError, match="projected budget must be one of"):
         projection.history(CONFIG, REAL, "half")

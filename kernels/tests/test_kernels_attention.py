@@ -104,7 +104,7 @@ def test_split_hint_changes_balance_not_result(list_len):
 @pytest.mark.parametrize("waves", [0, 2])
 def test_a_split_length_gives_long_lists_more_programs(monkeypatch, interpreter_sms, combine_launches, waves):
     """`split_len` (the budget boost's hint): a row whose list is several times the others' runs in several splits
-    of at most that length, the short rows in the first; the result is the reference's, nothing unselected is read."""
+    of at most that length; the result is the reference's, nothing unselected is read."""
     monkeypatch.setitem(_launch.TUNING, "sparse", {**_launch.TUNING["sparse"], "block_n": 16, "waves": waves,
                                                   "nearest": True})
     case = make_case([300, 90, 61], [3, 2, 3], 1, 64, 6, 2, seed=21, sparsity=0.5)  # lists of 151, 46, 32 entries
@@ -119,14 +119,17 @@ def test_a_split_length_gives_long_lists_more_programs(monkeypatch, interpreter_
     _assert_close(got, naive.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("balance", [True, False])
 def test_balanced_drafts_spread_each_rows_own_list_over_the_splits(monkeypatch, interpreter_sms, combine_launches,
-                                                                  balance):
-    """`balance` (the sparse kinds' default): each row's list is divided over the launch's splits by its own length,
-    so a row far shorter than the hint (the most boosted list) keeps every split busy instead of filling the first;
-    the split states the combine reads show it. Either way the result is the reference's."""
+                                                                  balance, fused):
+    """`balance` (the wide-head kind's default): each row's list is divided over the launch's splits by its own
+    length, so a row far shorter than the hint (the most boosted list) keeps every split busy instead of filling the
+    first; the split states show it, whether the combine launch or the last split merges them. Either way the result
+    is the reference's."""
     monkeypatch.setitem(_launch.TUNING, "sparse", {**_launch.TUNING["sparse"], "block_n": 16, "waves": 0,
-                                                  "fused_combine": False, "balance": balance})
+                                                  "fused_combine": fused, "fused_combine_max_splits": 8,
+                                                  "balance": balance})
     states = []
     empty = _launch.empty
 
@@ -143,7 +146,7 @@ def test_balanced_drafts_spread_each_rows_own_list_over_the_splits(monkeypatch, 
     got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args,
                                          list_len=151, split_len=50)  # 3 splits of up to 64 entries (4 blocks)
     _assert_close(got, naive.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
-    assert combine_launches
+    assert bool(combine_launches) != fused
     sums = states[1].view(3, 2, 3, 3)  # (row, KV head, split, query row): each split's softmax sum
     busy = (sums > 0).all(dim=-1)  # (row, KV head, split): the split read some slot
     assert busy[0].all(), "the longest list fills its three splits either way"

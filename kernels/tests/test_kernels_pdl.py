@@ -71,12 +71,12 @@ def _attention_constexprs(**flags):  # (nothing to prefetch: its keys and values
     return dict(KV_HEADS=3, GROUPS=3, HEAD_DIM=64, V_DIM=64, BLOCK_M=16, BLOCK_N=128, BLOCK_D=64, BLOCK_DV=64,
                 SPARSE=True, HAS_SOFTCAP=False, HAS_WINDOW=False, EMIT=0, EMIT_HALF=False, NUM_SCORE_ROWS=0,
                 BLOCK_E=16, PRECISION="tf32", SINGLE=True, HAS_SINKS=False, FUSED_COMBINE=False, USE_GDC=True,
-                EARLY_TRIGGER=flags["EARLY_TRIGGER"], HAS_TAIL_START=True)
+                EARLY_TRIGGER=flags["EARLY_TRIGGER"], HAS_TAIL_START=True, BALANCE=True)
 
 
 def _verify_attention_constexprs(**flags):  # a verification: 7 tokens, per-head scores, from slot 0, merged splits
     return dict(_attention_constexprs(**flags), BLOCK_M=32, BLOCK_N=64, SPARSE=False, EMIT=2, EMIT_HALF=True,
-                NUM_SCORE_ROWS=2, SINGLE=False, FUSED_COMBINE=True, HAS_TAIL_START=False)
+                NUM_SCORE_ROWS=2, SINGLE=False, FUSED_COMBINE=True, HAS_TAIL_START=False, BALANCE=False)
 
 
 def _qkv_rope_constexprs(**flags):

@@ -58,13 +58,16 @@ import torch
 #
 # `balance` (sparse drafts): each row's list is divided over the launch's splits by its own length, not by the host's
 # hint. With a budget boost the hint is the most boosted list (`SelectionState.draft_list_len`), so a row near the
-# plain budget filled the first split and left the others empty, and the kernel lasts as long as its longest
-# program: at the Qwen3-8B shape 16 x 32K (H200, 8aca627, `attention_splits.py`) a 2,294-slot list took 60.5 us in
-# one split and 46.0 in two. Not yet measured in a generation (stop 42 had no device time left):
-# `throughput.py --tuning-sets "sparse:balance=0 sparse_wide_head:balance=0" ""` is the A/B.
+# plain budget filled the first split and left the others empty. At the Qwen3-8B shape 16 x 32K the 256 programs
+# fit one wave and a 2,294-slot list took 60.5 us in one split and 46.0 in two (H200, 8aca627,
+# `attention_splits.py`): on for the wide-head kind, not yet measured in a generation (stop 42 had no device time
+# left; `throughput.py --tuning-sets "sparse_wide_head:balance=0" ""` is the A/B). Off for head_dim 64 (SmolLM2 at
+# 64 rows: 384 programs on 132 SMs), where the one measured point goes the other way: uniform 525-slot lists took
+# 15.6-15.9 us in one split and 17.0 in two (H100, 81ec4de, kernels_sweep.jsonl); `kernel_bandwidth.py --shapes
+# smollm2-135m --batches 64 --boost 2 --tuning sparse:balance=1` is its A/B.
 TUNING = {
     "sparse": {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 2, "nearest": True, "fused_combine": True,
-               "fused_combine_max_splits": 2, "balance": True},
+               "fused_combine_max_splits": 2, "balance": False},
     "sparse_wide_head": {"block_n": 128, "num_warps": 4, "num_stages": 2, "waves": 2, "nearest": True,
                          "balance": True},
     "dense": {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "fused_combine": True},

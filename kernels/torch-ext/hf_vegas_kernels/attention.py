@@ -114,7 +114,7 @@ def _attend_list(
     if BALANCE:  # this row's own list over the splits, in whole blocks: a list shorter than the hint's fills them all
         row_chunk = tl.cdiv(tl.cdiv(n, BLOCK_N), num_splits) * BLOCK_N
     else:
-        row_chunk = n * 0 + chunk
+        row_chunk = chunk
     start = split.to(tl.int64) * row_chunk
     # The last split runs to the end of the list, so a too-small length hint costs balance, never tokens.
     end = tl.where(split == num_splits - 1, n, tl.minimum(start + row_chunk, n))

@@ -48,7 +48,8 @@ def sparse_draft_attention(
     """Draft attention over `sel_idx[b, :sel_count[b]]` plus the tail `[sel_end[b], kv_len[b])`, each query inside
     its sliding `window` if one is given. `(B, T, Hq, Dv)`.
 
-    `list_len` bounds `sel_count + tail` on the host (it only balances the splits); default: the selection width.
+    `list_len` bounds `sel_count + tail` on the host (it sets the split count, and without `_launch.TUNING`'s `balance`
+    the splits' length); default: the selection width.
     `split_len`: no split takes more entries than this (rounded up to the kernel's block), so rows with longer lists
     than most take more programs, not longer ones. Both are hints: they change the balance, never the result.
     """
