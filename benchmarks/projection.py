@@ -49,12 +49,9 @@ def replayed_rejections(history: list[str], batch: int, iterations: int, gamma: 
     """`(batch, iterations)` accepted counts that reject where the real run's rows did: row `b` follows real row
     `b * R // batch` (R rows), iteration `k` its `k`-th drafting iteration (cycling past its end; a finished real row
     counts as accepting). 0 rejects, `gamma` accepts all."""
-    return torch.tensor([_replayed(history, batch, k, gamma) for k in range(iterations)]).T.reshape(batch, iterations)
-
-
-def _replayed(history: list[str], batch: int, k: int, gamma: int) -> list[int]:
     rows = (history[b * len(history) // batch] for b in range(batch))
-    return [0 if row[k % len(row)] == "1" else gamma for row in rows]
+    return torch.tensor([[0 if row[k % len(row)] == "1" else gamma for k in range(iterations)] for row in rows],
+                        dtype=torch.long).reshape(batch, iterations)
 
 
 def budget_fields(out, config: hf_vegas.VegasConfig, history: list[str] | None = None) -> dict:

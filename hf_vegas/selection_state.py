@@ -193,9 +193,8 @@ def draft_budget_scales(accepted: torch.Tensor, gammas: torch.Tensor, config: Ve
     rejection = torch.zeros(accepted.shape[0], dtype=torch.float32, device=accepted.device)  # (the library's dtype)
     scales = torch.full(accepted.shape, float("nan"), dtype=torch.float64, device=accepted.device)
     used = rejection.clone()  # the average the current iteration's selection was made with
-    for k in range(accepted.shape[1]):
+    for k, gamma in enumerate(gammas.tolist()):  # (one copy to the host, not one per iteration)
         active = accepted[:, k] >= 0
-        gamma = int(gammas[k])
         if gamma > 0:
             scales[:, k] = torch.where(active, config.boost(used.double()), float("nan"))
             used = rejection.clone()  # the next iteration's selection is made before this one's acceptance is noted

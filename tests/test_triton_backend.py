@@ -114,13 +114,16 @@ def test_triton_windowed_sparse_layers_match_reference_backend(score):
     assert sel.windows == {0: 40, 1: 40} and bool((sel.cand_start > 0).all())
 
 
-def test_triton_boosted_budget_matches_reference_backend(monkeypatch):
+@pytest.mark.parametrize("balance", [False, True])
+def test_triton_boosted_budget_matches_reference_backend(monkeypatch, balance):
     """`budget_boost`: the boosted rows' longer lists run in more splits of the draft kernel (`split_len`; 16-slot
-    blocks here, so these short lists need them); selections, acceptance and tokens stay the reference backend's."""
+    blocks here, so these short lists need them), each row's own list divided over them where `balance` says so;
+    selections, acceptance and tokens stay the reference backend's."""
     from hf_vegas_kernels import _launch
     from hf_vegas_kernels import attention as attention_kernels
 
-    monkeypatch.setitem(_launch.TUNING, "sparse", {**_launch.TUNING["sparse"], "block_n": 16, "waves": 0})
+    monkeypatch.setitem(_launch.TUNING, "sparse", {**_launch.TUNING["sparse"], "block_n": 16, "waves": 0,
+                                                  "balance": balance})
     splits = []
     num_splits = attention_kernels._num_splits
 
