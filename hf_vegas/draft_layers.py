@@ -7,7 +7,7 @@ exactly Llama's runs instead as five kernels (six when the draft attention split
 chain adds its input norm and the rotary tables' copy):
 
     [input RMSNorm: the first layer only]                   hf_vegas_kernels.rms_norm
-    q/k/v projection + rotary embedding + cache write       hf_vegas_kernels.qkv_rope_write
+    q/k/v projection (+ q/k norms) + rotary + cache write   hf_vegas_kernels.qkv_rope_write
     sparse draft attention                                  hf_vegas_kernels.sparse_draft_attention
     output projection + residual (+ the next norm's input)  hf_vegas_kernels.linear_residual_norm
     gate/up projection + activation                         hf_vegas_kernels.gated_linear_op
@@ -30,15 +30,23 @@ layer hands it to the next, so a compiled step computes them once, not in launch
 which a compiled step runs as a copy of the residual and the GEMM: eleven kernels per layer; then seven, with the
 norms as launches of their own.)
 
+Qwen3's attention (Llama's with an RMSNorm over each query and key head, `q_norm` and `k_norm`) fuses the same way:
+the head norms ride in the launch that rotates the heads. Where the q/k/v weights are large
+(`fused_projections._large`, Qwen3-8B's 50 MB), a launch with one program per head would read them on too few SMs, so
+the projection runs as its own launch (`qkv_linear`, the input norm folded in) and `rope_write_kv` normalises, rotates
+and writes after it: six kernels. (The model's own compiled forward of a Qwen3-8B draft layer ran ten: the
+projections, the attention and five small kernels of about 15 us together at 16 x 32K on an H200,
+`benchmarks/RESULTS.md`.)
+
 Drafts only decide how many tokens are accepted, never which (the verification, with the model's own layers, picks
 every token; sampling uses the drafts' real probabilities), so this rounding is free to differ from the model's.
 
 Which layers: the decoder layer, its attention and its norms run exactly the code of transformers' own Llama classes
 (compared as source text against the installed release, so a model whose code differs in anything, a bias on the
-output projection, a soft cap, q/k norms, another rotary convention, keeps its own forward), with plain `nn.Linear`
-projections, in draft forwards of few enough rows for the one-launch kernels to pay (`fused_projections._max_rows`:
-any draft of small weights, a few rows of large ones), no hooks, and full attention in this
-generation (sliding-window layers keep their window). Everything else, and every prefill, verification and dense
+output projection, a soft cap, another rotary convention, keeps its own forward), or Qwen3's attention, with plain
+`nn.Linear` projections, in draft forwards of few enough rows for the one-launch kernels to pay
+(`fused_projections._max_rows`: any draft of small weights, a few rows of large ones), no hooks, and full attention in
+this generation (sliding-window layers keep their window). Everything else, and every prefill, verification and dense
 step, runs the model's own forward. Instance `forward` attributes are removed when the block exits. Every kernel is a
 `torch.library` custom op, so a compiled draft step (`vegas_compile`) traces the fused layer with the rest.
 """
@@ -53,7 +61,7 @@ import sys
 
 import torch
 
-from .fused_projections import _gated_mlp_activation, _max_rows, _plain_linears, fused_projections
+from .fused_projections import _gated_mlp_activation, _large, _max_rows, _plain_linears, fused_projections
 from ._compat import internals as compat
 from .ops import backend
 from .rotary_tables import rotary_tables
@@ -79,6 +87,16 @@ def _llama_sources() -> dict[str, str | None]:
     }
 
 
+@functools.cache
+def _head_norm_attention_source() -> str | None:
+    """Qwen3's attention: Llama's, with `q_norm` and `k_norm` over each head before the rotation."""
+    try:
+        from transformers.models.qwen3 import modeling_qwen3
+    except ImportError:  # (a release without Qwen3: no attention of its kind to fuse)
+        return None
+    return _source(modeling_qwen3.Qwen3Attention.forward)
+
+
 @dataclasses.dataclass
 class _Parts:
     """What a fused draft layer reads: the layer's own parameters (never copies) and its head layout."""
@@ -99,6 +117,8 @@ class _Parts:
     kv_heads: int
     head_dim: int
     scaling: float
+    head_norms: tuple[torch.Tensor, torch.Tensor, float] | None  # Qwen3's q_norm and k_norm weights, their eps
+    split_qkv: bool  # weights too large for a program per head: `qkv_linear`, then `rope_write_kv`
     max_rows: int  # the largest draft forward the fused kernels pay for (`fused_projections._max_rows`)
     fold_norms: bool  # the norms ride in the projections (else: launches of their own)
     next_norm: tuple[torch.Tensor, float] | None = None  # the next fused layer's input norm (weight, eps)
@@ -113,12 +133,20 @@ def layer_parts(layer) -> _Parts | None:
         return None
     sources = _llama_sources()
     module = sys.modules.get(type(attn).__module__)
-    if (_source(type(layer).forward) != sources["layer"] or _source(type(attn).forward) != sources["attention"]
+    attention = _source(type(attn).forward)
+    head_norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
+    if attention != sources["attention"] and (attention != _head_norm_attention_source() or None in head_norms
+                                              or any(_source(type(n).forward) != sources["norm"] for n in head_norms)):
+        return None
+    if attention == sources["attention"]:
+        head_norms = ()
+    if (_source(type(layer).forward) != sources["layer"]
             or _source(getattr(module, "apply_rotary_pos_emb", None)) != sources["rotary"]
             or _source(getattr(module, "rotate_half", None)) != sources["rotate_half"]
             or any(_source(type(norm).forward) != sources["norm"] for norm in norms)):
         return None
-    if any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in (layer, attn, mlp, *norms)):
+    if any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m)
+           for m in (layer, attn, mlp, *norms, *head_norms)):
         return None
     q, k, v, o = (getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
     act = _gated_mlp_activation(mlp)
@@ -135,11 +163,17 @@ def layer_parts(layer) -> _Parts | None:
         return None
     if k.out_features % head_dim or o.in_features != q.out_features:
         return None
-    weights = (q.weight, o.weight, mlp.gate_proj.weight, mlp.down_proj.weight, *(norm.weight for norm in norms))
+    if head_norms and (any(norm.weight.shape != (head_dim,) for norm in head_norms)
+                       or head_norms[0].variance_epsilon != head_norms[1].variance_epsilon):
+        return None
+    weights = (q.weight, o.weight, mlp.gate_proj.weight, mlp.down_proj.weight,
+               *(norm.weight for norm in (*norms, *head_norms)))
     if len({t.dtype for t in weights}) != 1:
         return None
     linear = backend.kernels().linear  # (q/k/v run in `qkv_rope_write`, which takes any even head_dim)
-    if linear.block_n_for(mlp.gate_proj.out_features) is None:
+    split_qkv = _large(q.weight, k.weight, v.weight)
+    if linear.block_n_for(mlp.gate_proj.out_features) is None or (
+            split_qkv and linear.block_n_for(q.out_features, k.out_features) is None):
         return None
     return _Parts(
         layer_idx=attn.layer_idx, qkv=(q.weight, k.weight, v.weight),
@@ -147,7 +181,8 @@ def layer_parts(layer) -> _Parts | None:
         eps_in=norms[0].variance_epsilon, o_weight=o.weight, gate=mlp.gate_proj.weight, up=mlp.up_proj.weight,
         down=mlp.down_proj.weight, act=act, norm_post=norms[1].weight, eps_post=norms[1].variance_epsilon,
         q_heads=q.out_features // head_dim, kv_heads=k.out_features // head_dim, head_dim=head_dim,
-        scaling=attn.scaling,
+        scaling=attn.scaling, split_qkv=split_qkv,
+        head_norms=(*(norm.weight for norm in head_norms), head_norms[0].variance_epsilon) if head_norms else None,
         max_rows=min(_max_rows(q.weight, k.weight, v.weight), _max_rows(mlp.gate_proj.weight, mlp.up_proj.weight)),
         fold_norms=q.weight.dtype != torch.float16 and linear.block_n_for(o.out_features) is not None,
     )
@@ -184,8 +219,14 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
     cos, sin = rope[1]
     cache.begin_layer(parts.layer_idx, tokens)
     store = cache.layers[parts.layer_idx]
-    q = kernels.qkv_rope_write(normed, *parts.qkv, *bias, cos, sin, store.keys, store.values, cache.plan.write_slots,
-                               parts.q_heads, parts.kv_heads, parts.head_dim, row_sumsq, parts.eps_in)
+    heads = (parts.q_heads, parts.kv_heads, parts.head_dim)
+    head_norms = parts.head_norms or (None, None, 0.0)
+    if parts.split_qkv:
+        qkv = kernels.qkv_linear(normed, *parts.qkv, *bias, row_sumsq, parts.eps_in)
+        q = kernels.rope_write_kv(qkv, cos, sin, store.keys, store.values, cache.plan.write_slots, *heads, *head_norms)
+    else:
+        q = kernels.qkv_rope_write(normed, *parts.qkv, *bias, cos, sin, store.keys, store.values,
+                                   cache.plan.write_slots, *heads, row_sumsq, parts.eps_in, *head_norms)
     sel = cache.selection
     attn = kernels.sparse_draft_attention(
         q.transpose(1, 2), store.keys, store.values, cache.plan.query_slots, cache.plan.attend_lengths,

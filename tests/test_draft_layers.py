@@ -29,19 +29,32 @@ def _random_norms(model):
         for j, norm in enumerate((layer.input_layernorm, layer.post_attention_layernorm)):
             norm.weight.data = (torch.rand(norm.weight.shape, generator=gen) + 0.5).to(norm.weight)
             norm.variance_epsilon = 10.0 ** -(2 + 2 * j + i % 3)
+        head_norms = [getattr(layer.self_attn, name, None) for name in ("q_norm", "k_norm")]
+        for j, norm in enumerate(n for n in head_norms if n is not None):  # (Qwen3's, one eps for both)
+            norm.weight.data = (torch.rand(norm.weight.shape, generator=gen) * 2 + 0.2 * (j + 1)).to(norm.weight)
+            norm.variance_epsilon = 10.0 ** -(1 + i % 3)
     return model
 
 
-def test_llama_layers_fuse_and_the_others_keep_their_forward():
-    llama = tiny_model("llama")
-    with fused_draft_layers(llama, cache=None) as fused:
-        assert fused == llama.config.num_hidden_layers
-        assert all("forward" in vars(layer) for layer in llama.model.layers)
-    assert not any("forward" in vars(m) for m in llama.modules()), "every instance forward must be removed"
-    # q/k norms (Qwen3), a sliding-window argument (Mistral), latent attention: other code, their own forward.
-    for arch in ("qwen3", "mistral", "deepseek_v3"):
+def test_llama_and_qwen3_layers_fuse_and_the_others_keep_their_forward():
+    for arch in ("llama", "qwen3"):
+        model = tiny_model(arch)
+        with fused_draft_layers(model, cache=None) as fused:
+            assert fused == model.config.num_hidden_layers, arch
+            assert all("forward" in vars(layer) for layer in model.model.layers)
+        assert not any("forward" in vars(m) for m in model.modules()), "every instance forward must be removed"
+    assert layer_parts(tiny_model("llama").model.layers[0]).head_norms is None
+    assert layer_parts(tiny_model("qwen3").model.layers[0]).head_norms is not None
+    # A sliding-window argument (Mistral), latent attention: other code, their own forward.
+    for arch in ("mistral", "deepseek_v3"):
         with fused_draft_layers(tiny_model(arch), cache=None) as fused:
             assert fused == 0, arch
+    # Qwen3's head norms must be plain norms with one eps
+    qwen3 = tiny_model("qwen3")
+    qwen3.model.layers[0].self_attn.k_norm.register_forward_hook(lambda *args: None)
+    qwen3.model.layers[1].self_attn.k_norm.variance_epsilon = 1e-3
+    assert layer_parts(qwen3.model.layers[0]) is None and layer_parts(qwen3.model.layers[1]) is None
+    assert layer_parts(qwen3.model.layers[2]) is not None
     hooked = tiny_model("llama")
     hooked.model.layers[1].post_attention_layernorm.register_forward_hook(lambda *args: None)
     assert layer_parts(hooked.model.layers[1]) is None and layer_parts(hooked.model.layers[0]) is not None
@@ -58,9 +71,9 @@ def test_layers_with_large_weights_fuse_only_the_fewest_rows(monkeypatch):
     assert layer_parts(llama.model.layers[0]).max_rows == projections.LARGE_WEIGHT_MAX_ROWS
     # A draft of more rows than that runs the model's own layers, and generation stays vanilla's.
     monkeypatch.setattr(projections, "LARGE_WEIGHT_MAX_ROWS", 1)
-    calls = []
-    original = kernels.qkv_rope_write
-    monkeypatch.setattr(kernels, "qkv_rope_write", lambda *args: calls.append(args[0].shape[0]) or original(*args))
+    calls = []  # (large weights: their projection, then `rope_write_kv`)
+    original = kernels.rope_write_kv
+    monkeypatch.setattr(kernels, "rope_write_kv", lambda *args: calls.append(args[0].shape[0]) or original(*args))
     model = tiny_model("llama").to(DEVICE)
     ids, mask = (t.to(DEVICE) for t in ragged_batch([30, 21]))
     common = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, custom_generate="vegas", vegas_backend="triton",
@@ -80,10 +93,23 @@ def test_the_model_is_restored_after_an_exception():
     assert not any("forward" in vars(m) for m in model.modules())
 
 
-def test_a_fused_draft_step_computes_what_the_model_s_layers_compute():
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("large", [False, True])
+def test_a_fused_draft_step_computes_what_the_model_s_layers_compute(monkeypatch, arch, large):
     """One draft step over the same cache and selection, through the model's own layers and through the fused ones:
-    the same logits (fp32, up to summation order) and the same keys and values written."""
-    model = _random_norms(tiny_model("llama")).to(DEVICE)
+    the same logits (fp32, up to summation order) and the same keys and values written; with Qwen3's head norms, and
+    with weights counted large (the projection in a launch of its own, then `rope_write_kv`)."""
+    from hf_vegas import fused_projections as projections
+
+    if large:
+        monkeypatch.setattr(projections, "MAX_WEIGHT_BYTES", 0)
+    launches = []
+    for name in ("qkv_rope_write", "rope_write_kv"):
+        original = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name,
+                            lambda *args, _name=name, _op=original: launches.append(_name) or _op(*args))
+    model = _random_norms(tiny_model(arch)).to(DEVICE)
+    assert layer_parts(model.model.layers[0]).split_qkv == large
     ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
     config = VegasConfig(gamma=2, sparsity=0.3, min_tokens=4, backend="triton", cuda_graphs=False)
     cache = VegasCache(model.config, 2, 40, config, device=DEVICE, backend="triton")
@@ -104,6 +130,7 @@ def test_a_fused_draft_step_computes_what_the_model_s_layers_compute():
             assert fused == model.config.num_hidden_layers
             cache.begin("draft")
             got = runner.call_model(token[:, None], 1)
+    assert launches == [("rope_write_kv" if large else "qkv_rope_write")] * model.config.num_hidden_layers
     assert_fp32_close(got, want)
     for layer, (keys, values) in zip(cache.layers, written):
         assert_fp32_close(layer.keys, keys)
@@ -240,15 +267,15 @@ def test_norms_stay_launches_in_fp16_and_at_widths_no_block_divides(monkeypatch)
     assert torch.equal(vegas, wide.generate(ids, **common))
 
 
-@pytest.mark.parametrize("do_sample", [False, True])
-def test_generation_with_fused_draft_layers_accepts_what_the_model_s_layers_accept(monkeypatch, do_sample):
+@pytest.mark.parametrize("arch,do_sample", [("llama", False), ("llama", True), ("qwen3", False), ("qwen3", True)])
+def test_generation_with_fused_draft_layers_accepts_what_the_model_s_layers_accept(monkeypatch, arch, do_sample):
     """In fp32 the fused drafts differ from the model's own by rounding only: greedy accepts the same drafts, and
     sampling with one seed draws the same tokens (the draft probabilities it uses are the fused drafts' own).
-    Greedy tokens against vanilla, through the fused layers: `test_triton_backend.py` (llama)."""
+    Greedy tokens against vanilla, through the fused layers: `test_triton_backend.py` (llama, qwen3)."""
     calls = []
     original = kernels.qkv_rope_write
     monkeypatch.setattr(kernels, "qkv_rope_write", lambda *args: calls.append(1) or original(*args))
-    model = _random_norms(tiny_model("llama")).to(DEVICE)
+    model = _random_norms(tiny_model(arch)).to(DEVICE)
     ids, mask = (t.to(DEVICE) for t in ragged_batch([30, 21]))
     common = dict(attention_mask=mask, max_new_tokens=8, do_sample=do_sample, pad_token_id=0, top_k=0,
                   custom_generate="vegas", vegas_backend="triton", vegas_cuda_graphs=False, vegas_gamma=3,

@@ -162,7 +162,17 @@ def _opcheck_cases():
                             torch.randn(64, 40, device=DEVICE), torch.randn(64, 40, device=DEVICE), None, None, None,
                             torch.rand(2, 1, 32, device=DEVICE), torch.rand(2, 1, 32, device=DEVICE),
                             case.k.clone(), case.v.clone(), case.q_slot[:, :1].contiguous(), 4, 2, 32),
-                           dict(row_sumsq=torch.rand(2, 3, device=DEVICE), eps=1e-6)),
+                           dict(row_sumsq=torch.rand(2, 3, device=DEVICE), eps=1e-6,
+                                q_norm=torch.rand(32, device=DEVICE), k_norm=torch.rand(32, device=DEVICE),
+                                head_eps=1e-6)),
+        "rope_write_kv": ((torch.randn(2, 1, 256, device=DEVICE), torch.rand(2, 1, 32, device=DEVICE),
+                           torch.rand(2, 1, 32, device=DEVICE), case.k.clone(), case.v.clone(),
+                           case.q_slot[:, :1].contiguous(), 4, 2, 32),
+                          dict(q_norm=torch.rand(32, device=DEVICE), k_norm=torch.rand(32, device=DEVICE),
+                               head_eps=1e-6)),
+        "qkv_linear": ((torch.randn(5, 32, device=DEVICE), torch.randn(48, 32, device=DEVICE),
+                        torch.randn(16, 32, device=DEVICE), torch.randn(16, 32, device=DEVICE), None, None, None,
+                        torch.rand(5, 3, device=DEVICE), 1e-6), {}),
         # (hf_vegas' own op: a compiled forward's, or a fused draft layer chain's, rotary tables)
         "rotary_tables": ((torch.rand(2, 7, 32, device=DEVICE), torch.rand(2, 7, 32, device=DEVICE)), {}),
     }
@@ -171,7 +181,7 @@ def _opcheck_cases():
 @pytest.mark.parametrize("name", ["sparse_draft_attention", "dense_attention", "verify_attention", "finalize_scores",
                                   "select_topk", "write_kv", "rms_norm", "linear", "linear_residual",
                                   "linear_residual_norm_into", "gated_linear", "qkv_rope_write",
-                                  "rotary_tables"])
+                                  "rope_write_kv", "qkv_linear", "rotary_tables"])
 def test_custom_ops_have_true_fakes_and_declared_mutations(name):
     """Checks the schema (mutations declared are the mutations made), the fake against the real op, and tracing."""
     import hf_vegas.rotary_tables  # noqa: F401  (registers `rotary_tables`)

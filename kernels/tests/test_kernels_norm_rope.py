@@ -35,16 +35,12 @@ def test_a_norm_weight_of_the_wrong_shape_is_refused():
         kernels.rms_norm(torch.randn(3, 32, device=DEVICE), torch.ones(16, device=DEVICE), 1e-6)
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
-@pytest.mark.parametrize("heads", [(6, 2, 20), (4, 4, 16), (3, 1, 64)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_qkv_rope_write_matches_reference(tokens, heads, with_bias, poison):
-    """The projection, rotation and cache write of one launch against the reference's composition: rows that span
-    several row blocks (19 x 3 tokens), odd head counts, a head dim whose half (10) is no power of two, input width 40
-    (not a multiple of the K block); caches NaN outside the written slots, outputs from NaN-poisoned buffers."""
+def _heads_case(tokens, heads, seed, with_bias=False, head_norm=False, batch=19, slots=11, width=40):
+    """Inputs of a q/k/v + rotary + cache-write case: `x`, the three weights and biases, `cos`, `sin`, the slots,
+    four NaN caches (two for the reference, two for the kernel) and, with `head_norm`, Qwen3-like head norm
+    weights far from one and their eps."""
     q_heads, kv_heads, head_dim = heads
-    batch, slots, width = 19, 11, 40
-    gen = torch.Generator().manual_seed(tokens * 7 + head_dim + with_bias)
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, tokens, width, generator=gen).to(DEVICE)
     weights = [torch.randn(h * head_dim, width, generator=gen).to(DEVICE) / 4 for h in (q_heads, kv_heads, kv_heads)]
     biases = [torch.randn(w.shape[0], generator=gen).to(DEVICE) if with_bias else None for w in weights]
@@ -53,18 +49,84 @@ def test_qkv_rope_write_matches_reference(tokens, heads, with_bias, poison):
     sin = torch.cat([angles.sin(), (angles + 0.3).sin()], dim=-1)
     slot_ids = torch.stack([torch.randperm(slots, generator=gen)[:tokens] for _ in range(batch)]).to(DEVICE)
     caches = [torch.full((batch, slots, kv_heads, head_dim), NAN, device=DEVICE) for _ in range(4)]
-    layout = (q_heads, kv_heads, head_dim)
-    want_q = naive.qkv_rope_write(x, *weights, *biases, cos, sin, caches[0], caches[1], slot_ids, *layout)
-    got_q = kernels.qkv_rope_write(x, *weights, *biases, cos, sin, caches[2], caches[3], slot_ids, *layout)
-    assert_fp32_close(got_q, want_q)
+    norms = ((torch.rand(head_dim, generator=gen) * 2 + 0.2).to(DEVICE), (torch.rand(head_dim, generator=gen) + 1).to(
+        DEVICE), 1e-3) if head_norm else (None, None, 0.0)
+    return x, weights, biases, cos, sin, slot_ids, caches, norms
+
+
+def _assert_same_caches(caches):
     for got, want in ((caches[2], caches[0]), (caches[3], caches[1])):
         assert torch.equal(got.isnan(), want.isnan()), "only the given slots are written"
         assert_fp32_close(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("heads", [(6, 2, 20), (4, 4, 16), (3, 1, 64)])
+@pytest.mark.parametrize("extras", ["none", "bias", "bias and head norms"])
+def test_qkv_rope_write_matches_reference(tokens, heads, extras, poison):
+    """The projection, (Qwen3's head norms,) rotation and cache write of one launch against the reference's
+    composition: rows that span several row blocks (19 x 3 tokens), odd head counts, a head dim whose half (10) is no
+    power of two, input width 40 (not a multiple of the K block); caches NaN outside the written slots, outputs from
+    NaN-poisoned buffers."""
+    with_bias, head_norm = extras != "none", "norms" in extras
+    x, weights, biases, cos, sin, slot_ids, caches, norms = _heads_case(
+        tokens, heads, tokens * 7 + heads[2] + with_bias + 2 * head_norm, with_bias, head_norm)
+    want_q = naive.qkv_rope_write(x, *weights, *biases, cos, sin, caches[0], caches[1], slot_ids, *heads, None, 0.0,
+                                  *norms)
+    got_q = kernels.qkv_rope_write(x, *weights, *biases, cos, sin, caches[2], caches[3], slot_ids, *heads, None, 0.0,
+                                   *norms)
+    assert_fp32_close(got_q, want_q)
+    _assert_same_caches(caches)
     # The reference is the two-launch path it replaces, kept in fp32 until the rotation.
     qkv = naive.grouped_linear(x, weights, biases if with_bias else None)
     two_step = [torch.full_like(caches[0], NAN) for _ in range(2)]
-    assert_fp32_close(naive.rope_write_kv(qkv, cos, sin, *two_step, slot_ids, *layout), want_q)
+    assert_fp32_close(naive.rope_write_kv(qkv, cos, sin, *two_step, slot_ids, *heads, *norms), want_q)
     assert_fp32_close(two_step[0].nan_to_num(), caches[0].nan_to_num())
+
+
+def test_head_norms_are_transformers_qwen3_norms(poison):
+    """The reference's head norms are Qwen3's own `q_norm` / `k_norm` modules, applied before the rotation."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    heads = (4, 2, 16)
+    x, weights, _, cos, sin, slot_ids, caches, norms = _heads_case(1, heads, 3, head_norm=True, batch=3)
+    q_norm, k_norm = Qwen3RMSNorm(16, eps=norms[2]).to(DEVICE), Qwen3RMSNorm(16, eps=norms[2]).to(DEVICE)
+    q_norm.weight.data, k_norm.weight.data = norms[0], norms[1]
+    with torch.no_grad():
+        q = q_norm((x @ weights[0].T).view(3, 1, 4, 16)).transpose(1, 2)
+        k = k_norm((x @ weights[1].T).view(3, 1, 2, 16)).transpose(1, 2)
+        want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    got_q = naive.qkv_rope_write(x, *weights, None, None, None, cos, sin, caches[0], caches[1], slot_ids, *heads,
+                                 None, 0.0, *norms)
+    assert_fp32_close(got_q, want_q.transpose(1, 2))
+    rows = torch.arange(3, device=DEVICE)
+    assert_fp32_close(caches[0][rows, slot_ids[:, 0]], want_k[:, :, 0])
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("heads", [(6, 2, 24), (3, 1, 64)])  # (sizes a block of 16 divides, for `qkv_linear`)
+@pytest.mark.parametrize("head_norm", [False, True])
+def test_rope_write_kv_matches_reference(tokens, heads, head_norm, poison):
+    """The launch after a large projection (`qkv_linear`): the same queries and cache writes as the reference, and
+    with that projection the same as the one launch of `qkv_rope_write`, its input norm folded into the projection
+    (`row_sumsq`) with the biases after the row scale."""
+    x, weights, biases, cos, sin, slot_ids, caches, norms = _heads_case(tokens, heads, 5 + tokens + head_norm,
+                                                                        True, head_norm)
+    qkv = torch.randn(x.shape[0], tokens, sum(w.shape[0] for w in weights), device=DEVICE)
+    want_q = naive.rope_write_kv(qkv, cos, sin, caches[0], caches[1], slot_ids, *heads, *norms)
+    got_q = kernels.rope_write_kv(qkv, cos, sin, caches[2], caches[3], slot_ids, *heads, *norms)
+    assert_fp32_close(got_q, want_q)
+    _assert_same_caches(caches)
+
+    sumsq = torch.rand(x.shape[0] * tokens, 3, device=DEVICE) * x.shape[-1]
+    one_launch = [torch.full_like(caches[0], NAN) for _ in range(2)]
+    want_q = kernels.qkv_rope_write(x, *weights, *biases, cos, sin, *one_launch, slot_ids, *heads, sumsq, 1e-5,
+                                    *norms)
+    product = kernels.qkv_linear(x, *weights, *biases, sumsq, 1e-5)
+    assert_fp32_close(product, naive.grouped_linear(x, weights, biases, sumsq, 1e-5))
+    got_q = kernels.rope_write_kv(product, cos, sin, caches[2], caches[3], slot_ids, *heads, *norms)
+    assert_fp32_close(got_q, want_q)
+    _assert_same_caches([*one_launch, *caches[2:]])
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -105,3 +167,15 @@ def test_qkv_rope_write_refuses_weights_that_are_not_the_heads():
     with pytest.raises(ValueError, match="qkv_rope_write: weights"):
         kernels.qkv_rope_write(x, *weights, None, None, None, cos, sin, cache, cache.clone(),
                                torch.zeros(2, 1, dtype=torch.long, device=DEVICE), 3, 1, 16)
+
+
+def test_head_norms_come_in_pairs_of_head_dim_vectors():
+    x, weights, _, cos, sin, slot_ids, caches, norms = _heads_case(1, (4, 2, 16), 1, head_norm=True, batch=2)
+    qkv = torch.randn(2, 1, 128, device=DEVICE)
+    with pytest.raises(ValueError, match="q_norm and k_norm must both be"):
+        kernels.qkv_rope_write(x, *weights, None, None, None, cos, sin, caches[0], caches[1], slot_ids, 4, 2, 16, None,
+                               0.0, norms[0], None, 1e-6)
+    with pytest.raises(ValueError, match="q_norm and k_norm must both be"):
+        kernels.rope_write_kv(qkv, cos, sin, caches[0], caches[1], slot_ids, 4, 2, 16, norms[0], norms[1][:8], 1e-6)
+    with pytest.raises(ValueError, match="rope_write_kv: qkv must hold 4 \\+ 2 x 2 heads"):
+        kernels.rope_write_kv(qkv[..., :96], cos, sin, caches[0], caches[1], slot_ids, 4, 2, 16)

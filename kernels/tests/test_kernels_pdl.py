@@ -22,9 +22,10 @@ pytest.importorskip("triton")
 # Pointer arguments that hold indices, and those that hold fp32 states; other pointers hold bf16 tensors.
 INDEX_POINTERS = {"QSlot", "KvLen", "SelIdx", "SelCount", "TailStart", "ScoreRows", "Tickets", "Slots", "CandStart",
                   "CandEnd", "Count", "Layers"}
-FP32_POINTERS = {"MPart", "LPart", "OPart", "Lse", "Sinks", "SumSqIn", "SumSqOut", "SumSq", "Cos", "Sin", "Scores"}
+FP32_POINTERS = {"MPart", "LPart", "OPart", "Lse", "Sinks", "SumSqIn", "SumSqOut", "SumSq", "Cos", "Sin", "Scores",
+                 "QNorm", "KNorm"}
 INTEGERS = {"M", "K", "T", "N0", "N1", "N2"}  # (but the attention's K is its keys)
-FLOATS = {"eps", "scaling", "softcap"}
+FLOATS = {"eps", "scaling", "softcap", "head_eps"}
 
 
 def _ptx(kernel, constexprs: dict) -> str:
@@ -80,7 +81,8 @@ def _verify_attention_constexprs(**flags):  # a verification: 7 tokens, per-head
 
 
 def _qkv_rope_constexprs(**flags):
-    return dict(Q_HEADS=9, KV_HEADS=3, HEAD_DIM=64, HALF=32, HAS_BIAS=False, ROW_SCALE=True, BLOCK_P=2, BLOCK_M=16,
+    return dict(Q_HEADS=9, KV_HEADS=3, HEAD_DIM=64, HALF=32, HAS_BIAS=False, ROW_SCALE=True, HEAD_NORM=True,
+                BLOCK_P=2, BLOCK_M=16,
                 BLOCK_HALF=32, BLOCK_K=128, PRECISION="tf32", USE_GDC=True, K_LINES=16, **flags)
 
 
@@ -101,6 +103,9 @@ WAIT_FIRST = {
                         dict(EMIT_HEADS=9, Q_HEADS=9, NUM_ROWS=2, WEIGHTS=True, MEAN_ROWS=True, BLOCK_H=16,
                              BLOCK_S=512, HAS_WINDOW=False, USE_GDC=True)),
     "select_topk_row": ("select", "_select_topk_row", dict(BLOCK_S=8192, USE_GDC=True)),
+    # (after a large weights' own projection, `qkv_linear`: the head norms, rotation and cache write)
+    "rope_write_kv": ("qkv_rope", "_rope_write_kv", dict(Q_HEADS=9, KV_HEADS=3, HEAD_DIM=64, HALF=32, HEAD_NORM=True,
+                                                         BLOCK_M=16, BLOCK_HALF=32, USE_GDC=True)),
 }
 
 

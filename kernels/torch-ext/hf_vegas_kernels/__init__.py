@@ -24,8 +24,8 @@ _TRITON_OPS = {
     **dict.fromkeys(("gated_linear", "grouped_linear", "linear_residual"), "linear"),
     **dict.fromkeys(("gated_linear_op", "linear_op", "linear_residual_op", "linear_residual_norm",
                      "linear_residual_norm_into", "qkv_linear"), "linear_ops"),
-    **dict.fromkeys(("dense_attention", "finalize_scores", "qkv_rope_write", "rms_norm", "select_topk",
-                     "sparse_draft_attention", "verify_attention", "write_kv"), "ops"),
+    **dict.fromkeys(("dense_attention", "finalize_scores", "qkv_rope_write", "rms_norm", "rope_write_kv",
+                     "select_topk", "sparse_draft_attention", "verify_attention", "write_kv"), "ops"),
     "race_argmax": "race",
     "top_p_filter": "top_p",
 }

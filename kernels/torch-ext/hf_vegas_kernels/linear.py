@@ -110,6 +110,8 @@ def _grouped_linear(
         result, _ = _tiles(X, W, W, rows, cols, m_ok, n_ok, K, stride_xm, stride_w, stride_w, False, BLOCK_M,
                            BLOCK_N, BLOCK_K, PRECISION)
         release_dependents(USE_GDC, EARLY_TRIGGER)
+        if ROW_SCALE:  # (before the bias, as the gated products are scaled before their activation)
+            result *= _row_scale(SumSqIn, rows, m_ok, K, eps, stride_si, parts_in, BLOCK_P)[:, None]
         if HAS_BIAS:
             result += tl.load(B + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_RESIDUAL:  # one rounding of the fp32 sum, as cuBLAS' addmm (beta = 1) rounds
@@ -217,15 +219,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def grouped_linear(x: torch.Tensor, weights, biases=None) -> torch.Tensor:
-    """`cat([x @ w.T (+ b) for w, b in zip(weights, biases)], -1)` for 1 to 3 weights `(N_i, K)`. `x` `(..., K)`."""
+def grouped_linear(x: torch.Tensor, weights, biases=None, row_sumsq=None, eps: float = 0.0) -> torch.Tensor:
+    """`cat([x @ w.T (+ b) for w, b in zip(weights, biases)], -1)` for 1 to 3 weights `(N_i, K)`. `x` `(..., K)`.
+    With `row_sumsq`, the products are of the RMSNorm whose input times its weight `x` is (`gated_linear` explains),
+    scaled before the biases."""
     weights = list(weights)
     sizes = [w.shape[0] for w in weights]
     if block_n_for(*sizes) is None or not 1 <= len(weights) <= 3:
         raise ValueError(f"grouped_linear: 1 to 3 weights whose sizes share a block of 16, got {sizes}")
     x2 = _rows(x)
+    check_row_sumsq("grouped_linear", row_sumsq, x2.shape[0])
     out = _launch.empty(x2.shape[0], sum(sizes), dtype=x.dtype, device=x.device)
-    _launch_linear("qkv" if len(weights) > 1 else "linear", x2, weights, biases, out)
+    _launch_linear("qkv" if len(weights) > 1 else "linear", x2, weights, biases, out, row_sumsq=row_sumsq, eps=eps)
     return out.reshape(*x.shape[:-1], sum(sizes))
 
 

@@ -38,13 +38,14 @@ def linear_residual_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.
 
 @torch.library.custom_op("hf_vegas::qkv_linear", mutates_args=())
 def qkv_linear(x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b0: torch.Tensor | None,
-               b1: torch.Tensor | None, b2: torch.Tensor | None) -> torch.Tensor:
-    """`grouped_linear(x, (w0, w1, w2), (b0, b1, b2))` as one op."""
-    return grouped_linear(x, (w0, w1, w2), None if b0 is None else (b0, b1, b2))
+               b1: torch.Tensor | None, b2: torch.Tensor | None, row_sumsq: torch.Tensor | None = None,
+               eps: float = 0.0) -> torch.Tensor:
+    """`grouped_linear(x, (w0, w1, w2), (b0, b1, b2), row_sumsq, eps)` as one op."""
+    return grouped_linear(x, (w0, w1, w2), None if b0 is None else (b0, b1, b2), row_sumsq, eps)
 
 
 @qkv_linear.register_fake
-def _(x, w0, w1, w2, b0, b1, b2):
+def _(x, w0, w1, w2, b0, b1, b2, row_sumsq=None, eps=0.0):
     return x.new_empty(*x.shape[:-1], w0.shape[0] + w1.shape[0] + w2.shape[0])
 
 

@@ -294,9 +294,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (normed * weight.float()).to(x.dtype)
 
 
-def grouped_linear(x: torch.Tensor, weights, biases=None) -> torch.Tensor:
-    """The outputs of several projections of one input, concatenated on the last dimension."""
+def grouped_linear(x: torch.Tensor, weights, biases=None, row_sumsq=None, eps: float = 0.0) -> torch.Tensor:
+    """The outputs of several projections of one input, concatenated on the last dimension. With `row_sumsq`
+    `(rows, P)`, `x` is an RMSNorm's input times its weight and the products are scaled by the norm's row factor
+    (`row_norm_scale`, in fp32) before the biases, as `gated_linear` scales."""
     biases = biases if biases is not None else [None] * len(weights)
+    if row_sumsq is not None:
+        scale = row_norm_scale(row_sumsq, x.shape[-1], eps).reshape(*x.shape[:-1], 1)
+        products = [torch.nn.functional.linear(x.float(), w.float()) * scale for w in weights]
+        return torch.cat([p if b is None else p + b.float() for p, b in zip(products, biases)], dim=-1).to(x.dtype)
     return torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
 
 
@@ -345,27 +351,35 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x.float() * cos.float() + torch.cat([-x2, x1], dim=-1) * sin.float()
 
 
-def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, q_heads: int, kv_heads: int, head_dim: int):
+def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, q_heads: int, kv_heads: int, head_dim: int, q_norm=None,
+                  k_norm=None, head_eps: float = 0.0):
     """One forward's fused q/k/v projections `(B, T, (Hq + 2 Hkv) * D)`: write the rotated keys and the values into
-    the caches at `slots` `(B, T)` and return the rotated queries `(B, T, Hq, D)`. `cos`, `sin` `(B, T, D)`."""
+    the caches at `slots` `(B, T)` and return the rotated queries `(B, T, Hq, D)`. `cos`, `sin` `(B, T, D)`. With
+    `q_norm` and `k_norm` `(D,)` (Qwen3's per-head RMSNorms, epsilon `head_eps`), the query and key heads are
+    normalised in fp32 before their rotation."""
     batch, tokens, _ = qkv.shape
     q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.reshape(batch, tokens, q_heads, head_dim), k.reshape(batch, tokens, kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = rms_norm(q.float(), q_norm, head_eps), rms_norm(k.float(), k_norm, head_eps)
     cos, sin = cos[:, :, None], sin[:, :, None]
-    keys = rotate(k.reshape(batch, tokens, kv_heads, head_dim), cos, sin)
+    keys = rotate(k, cos, sin)
     write_kv(k_cache, v_cache, keys.transpose(1, 2), v.reshape(batch, tokens, kv_heads, head_dim).transpose(1, 2),
              slots)
-    return rotate(q.reshape(batch, tokens, q_heads, head_dim), cos, sin).to(qkv.dtype)
+    return rotate(q, cos, sin).to(qkv.dtype)
 
 
 def qkv_rope_write(x, wq, wk, wv, bq, bk, bv, cos, sin, k_cache, v_cache, slots, q_heads: int, kv_heads: int,
-                   head_dim: int, row_sumsq=None, eps: float = 0.0):
+                   head_dim: int, row_sumsq=None, eps: float = 0.0, q_norm=None, k_norm=None, head_eps: float = 0.0):
     """`rope_write_kv` of the q/k/v projections of `x` `(B, T, K)` (biases `bq`, `bk`, `bv` or None), with the
     projections kept in fp32 until the rotation: writes the keys and values at `slots`, returns the rotated queries
     `(B, T, Hq, D)` in `x`'s dtype. With `row_sumsq` `(B * T, P)`, `x` is an RMSNorm's input times its weight and the
-    projections (before their biases) are scaled by the norm's row factor, as `gated_linear` scales."""
+    projections (before their biases) are scaled by the norm's row factor, as `gated_linear` scales. `q_norm`,
+    `k_norm`, `head_eps`: `rope_write_kv`'s head norms."""
     qkv = grouped_linear(x.float(), (wq.float(), wk.float(), wv.float()))
     if row_sumsq is not None:
         qkv = qkv * row_norm_scale(row_sumsq, x.shape[-1], eps).reshape(*x.shape[:-1], 1)
     if bq is not None:
         qkv = qkv + torch.cat([bq.float(), bk.float(), bv.float()])
-    return rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, head_dim).to(x.dtype)
+    return rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, head_dim, q_norm, k_norm,
+                         head_eps).to(x.dtype)

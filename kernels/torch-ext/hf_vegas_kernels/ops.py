@@ -179,17 +179,32 @@ def _(*args, **kwargs):
 def qkv_rope_write(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, bq: Tensor | None, bk: Tensor | None,
                    bv: Tensor | None, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
                    q_heads: int, kv_heads: int, head_dim: int, row_sumsq: Tensor | None = None,
-                   eps: float = 0.0) -> Tensor:
-    """Project (an RMSNorm folded in, with `row_sumsq`), rotate and write one forward's keys and values at `slots`,
-    in one launch; returns the rotated queries."""
+                   eps: float = 0.0, q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+                   head_eps: float = 0.0) -> Tensor:
+    """Project (an RMSNorm folded in, with `row_sumsq`), normalise the heads (with `q_norm`, `k_norm`), rotate and
+    write one forward's keys and values at `slots`, in one launch; returns the rotated queries."""
     return qkv_rope.qkv_rope_write(x, wq, wk, wv, bq, bk, bv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads,
-                                   head_dim, row_sumsq, eps)
+                                   head_dim, row_sumsq, eps, q_norm, k_norm, head_eps)
 
 
 @qkv_rope_write.register_fake
 def _(x, wq, wk, wv, bq, bk, bv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, head_dim, row_sumsq=None,
-      eps=0.0):
+      eps=0.0, q_norm=None, k_norm=None, head_eps=0.0):
     return x.new_empty(x.shape[0], x.shape[1], q_heads, head_dim)
+
+
+@torch.library.custom_op("hf_vegas::rope_write_kv", mutates_args=("k_cache", "v_cache"))
+def rope_write_kv(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+                  q_heads: int, kv_heads: int, head_dim: int, q_norm: Tensor | None = None,
+                  k_norm: Tensor | None = None, head_eps: float = 0.0) -> Tensor:
+    """`qkv_rope_write` after a projection of its own (`qkv_linear`), for weights too large for one launch."""
+    return qkv_rope.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, head_dim, q_norm, k_norm,
+                                  head_eps)
+
+
+@rope_write_kv.register_fake
+def _(qkv, cos, sin, k_cache, v_cache, slots, q_heads, kv_heads, head_dim, q_norm=None, k_norm=None, head_eps=0.0):
+    return qkv.new_empty(qkv.shape[0], qkv.shape[1], q_heads, head_dim)
 
 
 @torch.library.custom_op("hf_vegas::rms_norm", mutates_args=())
@@ -203,5 +218,5 @@ def _(x, weight, eps):
     return x.new_empty(x.shape)
 
 
-__all__ = ["dense_attention", "finalize_scores", "qkv_rope_write", "rms_norm", "select_topk",
+__all__ = ["dense_attention", "finalize_scores", "qkv_rope_write", "rms_norm", "rope_write_kv", "select_topk",
            "sparse_draft_attention", "verify_attention", "write_kv"]
