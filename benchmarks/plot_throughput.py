@@ -35,12 +35,13 @@ def main() -> None:
     # settings other than the defaults (`--tuning`, `--tuning-sets`).
     latest = {}
     for r in records:
-        if (args.commit is None or r["commit"] in args.commit) and "tokens_per_s" in r and not r.get("sweep") \
+        chosen = args.commit is None or any(r["commit"].startswith(c) for c in args.commit)  # (a short or full hash)
+        if chosen and "tokens_per_s" in r and not r.get("sweep") \
                 and not r.get("inductor") and not r.get("tuning_overrides") and not r.get("tuning_set"):
             # a tensor-parallel run is its own panel ("qwen3-8b-shape, TP = 2"): its bars are those of N GPUs
             model = r["model"] + (f", TP = {r['world_size']}" if r.get("world_size", 1) > 1 else "")
             latest[(model, r["decoding"], r["batch"], r["prompt_tokens"], r["method"])] = r
-    commit = ", ".join(sorted({r["commit"] for r in latest.values()}))
+    commit = ", ".join(sorted({r["commit"][:7] for r in latest.values()}))  # (records may hold full hashes)
     panels = sorted({(m, d) for m, d, *_ in latest}, key=lambda p: (p[0] != "smollm2", p))
     gpus = sorted({_short(r["gpu"]) for r in latest.values()})
 
