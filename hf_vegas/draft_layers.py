@@ -135,6 +135,8 @@ def layer_parts(layer) -> _Parts | None:
     module = sys.modules.get(type(attn).__module__)
     attention = _source(type(attn).forward)
     head_norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
+    if attention is None:
+        return None
     if attention != sources["attention"] and (attention != _head_norm_attention_source() or None in head_norms
                                               or any(_source(type(n).forward) != sources["norm"] for n in head_norms)):
         return None
@@ -171,9 +173,9 @@ def layer_parts(layer) -> _Parts | None:
     if len({t.dtype for t in weights}) != 1:
         return None
     linear = backend.kernels().linear  # (q/k/v run in `qkv_rope_write`, which takes any even head_dim)
-    split_qkv = _large(q.weight, k.weight, v.weight)
-    if linear.block_n_for(mlp.gate_proj.out_features) is None or (
-            split_qkv and linear.block_n_for(q.out_features, k.out_features) is None):
+    # (large weights whose sizes share no block of 16 for `qkv_linear` keep the one launch: slower, not wrong)
+    split_qkv = _large(q.weight, k.weight, v.weight) and linear.block_n_for(q.out_features, k.out_features) is not None
+    if linear.block_n_for(mlp.gate_proj.out_features) is None:
         return None
     return _Parts(
         layer_idx=attn.layer_idx, qkv=(q.weight, k.weight, v.weight),

@@ -62,6 +62,32 @@ def test_llama_and_qwen3_layers_fuse_and_the_others_keep_their_forward():
     assert layer_parts(hooked.model.layers[0]) is None, "an output bias is not in the fused layer"
 
 
+def test_qwen3_sliding_window_layers_keep_their_forward_and_generation_stays_vanilla(monkeypatch):
+    """A Qwen3 whose later layers slide (`max_window_layers`): only its full-attention layer runs the fused launches,
+    and the generation accepts what the model's own layers accept and gives vanilla's tokens."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tiny_models import COMMON
+
+    torch.manual_seed(0)
+    config = Qwen3Config(**COMMON, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                         use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    model = _random_norms(Qwen3ForCausalLM(config).eval()).to(DEVICE)
+    assert model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    caches = []
+    original = kernels.qkv_rope_write
+    monkeypatch.setattr(kernels, "qkv_rope_write", lambda *args: caches.append(args[9].data_ptr()) or original(*args))
+    ids, mask = (t.to(DEVICE) for t in ragged_batch([30, 21]))
+    vanilla = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    common = dict(**vanilla, return_dict_in_generate=True, custom_generate="vegas", vegas_backend="triton",
+                  vegas_cuda_graphs=False, vegas_gamma=3, vegas_sparsity=0.3, vegas_min_tokens=4)
+    fused = model.generate(ids, **common)
+    assert caches and len(set(caches)) == 1, "only the full-attention layer's keys are written by the launch"
+    plain = model.generate(ids, **common, vegas_fuse_projections=False)
+    assert torch.equal(fused.sequences, plain.sequences) and torch.equal(fused.accepted, plain.accepted)
+    assert torch.equal(fused.sequences, model.generate(ids, **vanilla))
+
+
 def test_layers_with_large_weights_fuse_only_the_fewest_rows(monkeypatch):
     from hf_vegas import fused_projections as projections
 
@@ -69,6 +95,13 @@ def test_layers_with_large_weights_fuse_only_the_fewest_rows(monkeypatch):
     assert layer_parts(llama.model.layers[0]).max_rows == projections.MAX_ROWS
     monkeypatch.setattr(projections, "MAX_WEIGHT_BYTES", 0)  # every weight counts as large (cuBLAS' bandwidth)
     assert layer_parts(llama.model.layers[0]).max_rows == projections.LARGE_WEIGHT_MAX_ROWS
+    assert layer_parts(llama.model.layers[0]).split_qkv, "large q/k/v: their own projection, then the rotation"
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    odd = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=20))
+    odd_parts = layer_parts(odd.model.layers[0])  # (k/v of 40 outputs: no block of 16 for `qkv_linear`)
+    assert odd_parts is not None and not odd_parts.split_qkv, "sizes no block divides keep the one launch"
     # A draft of more rows than that runs the model's own layers, and generation stays vanilla's.
     monkeypatch.setattr(projections, "LARGE_WEIGHT_MAX_ROWS", 1)
     calls = []  # (large weights: their projection, then `rope_write_kv`)

@@ -177,5 +177,8 @@ def test_head_norms_come_in_pairs_of_head_dim_vectors():
                                0.0, norms[0], None, 1e-6)
     with pytest.raises(ValueError, match="q_norm and k_norm must both be"):
         kernels.rope_write_kv(qkv, cos, sin, caches[0], caches[1], slot_ids, 4, 2, 16, norms[0], norms[1][:8], 1e-6)
+    with pytest.raises(ValueError, match="of one dtype"):
+        kernels.rope_write_kv(qkv, cos, sin, caches[0], caches[1], slot_ids, 4, 2, 16, norms[0], norms[1].double(),
+                              1e-6)
     with pytest.raises(ValueError, match="rope_write_kv: qkv must hold 4 \\+ 2 x 2 heads"):
         kernels.rope_write_kv(qkv[..., :96], cos, sin, caches[0], caches[1], slot_ids, 4, 2, 16)

@@ -89,6 +89,9 @@ def _qkv_rope_constexprs(**flags):
 CASES = {
     "gated_linear": ("linear", "_grouped_linear", _linear_constexprs),
     "linear_residual_norm": ("linear", "_grouped_linear", _residual_norm_constexprs),
+    # q/k/v of large weights with the input norm folded in (`qkv_linear(..., row_sumsq)`): one weight's tile, scaled
+    "qkv_linear_row_scale": ("linear", "_grouped_linear", lambda **flags: dict(_linear_constexprs(**flags),
+                                                                                 GATED=False, HAS_BIAS=True)),
     "sparse_attention": ("attention", "_attend_list", _attention_constexprs),
     "verify_attention": ("attention", "_attend_list", _verify_attention_constexprs),
     "qkv_rope_write": ("qkv_rope", "_qkv_rope_write", _qkv_rope_constexprs),

@@ -182,9 +182,10 @@ def check_row_sumsq(name: str, row_sumsq, rows: int) -> None:
 
 def _launch_linear(kind, x2, weights, biases, out, act=0, residual=None, row_sumsq=None, eps=0.0, norm_out=None):
     """One launch of `_grouped_linear` over 1 to 3 weights (gated: gate and up) into `out` (plus `residual`, rows
-    like `out`, for one weight). `row_sumsq` `(M, P)` (gated): the input is `x * norm_weight` and these partial sums
-    of squares give the RMSNorm's row factor. `norm_out` `(norm_weight, scaled, sumsq)` (with `residual`): also write
-    `out * norm_weight` into `scaled` and each column block's sums of squares into `sumsq` `(M, blocks)`."""
+    like `out`, for one weight). `row_sumsq` `(M, P)` (gated, or without a residual): the input is
+    `x * norm_weight` and these partial sums of squares give the RMSNorm's row factor. `norm_out` `(norm_weight,
+    scaled, sumsq)` (with `residual`): also write `out * norm_weight` into `scaled` and each column block's sums of
+    squares into `sumsq` `(M, blocks)`."""
     sizes = [w.shape[0] for w in weights]
     setting = _setting(kind, x2.shape[0], sizes, x2.element_size(), x2.shape[1])
     block_n = _column_block(setting, sizes, x2.device)

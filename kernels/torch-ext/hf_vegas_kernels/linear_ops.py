@@ -17,8 +17,9 @@ from .linear import _check_residual, _launch_linear, _rows, block_n_for, gated_l
 def linear_residual_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor):
     """`h = linear_residual(x, weight, residual)` and what the RMSNorm after it needs, from the same launch:
     `(h, h * norm_weight, sumsq)`, `sumsq` `(rows, P)` fp32 partial sums of squares of each rounded row of `h`
-    (`sumsq.sum(-1) = (h.float() ** 2).sum(-1)`), for `gated_linear(..., row_sumsq=sumsq)` or
-    `qkv_rope_write(..., row_sumsq=sumsq)`. The output size must be a multiple of 16.
+    (`sumsq.sum(-1) = (h.float() ** 2).sum(-1)`), for `gated_linear(..., row_sumsq=sumsq)`,
+    `qkv_rope_write(..., row_sumsq=sumsq)` or `qkv_linear(..., row_sumsq=sumsq)`. The output size must be a
+    multiple of 16.
 
     The launch is the op `linear_residual_norm_into`, which writes the three buffers allocated here: a compiled
     forward chains it layer after layer, and an op with several outputs in that chain makes inductor print each

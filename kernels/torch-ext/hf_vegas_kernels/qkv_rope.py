@@ -11,7 +11,7 @@ cache slots.
 
 A program per head and row block is few programs for large weights: Qwen3-8B's 48 heads at 16 rows would each stream
 1 MB of weights, on 48 of an H200's 132 SMs. There the projection runs as `linear_ops.qkv_linear` (192 column blocks)
-and `norm_rope_write` does the rest, one program per head and row block reading the product (`hf_vegas.draft_layers`
+and `rope_write_kv` does the rest, one program per head and row block reading the product (`hf_vegas.draft_layers`
 picks by the weights' size).
 
 The projection is never rounded before the rotation in the one launch (the model rounds it once to its dtype, and
@@ -160,10 +160,13 @@ def _check_heads(name: str, batch: int, tokens: int, head_dim: int, cos, sin, q_
     if cos.shape != (batch, tokens, head_dim) or sin.shape != cos.shape:
         raise ValueError(f"{name}: cos and sin must be ({batch}, {tokens}, {head_dim}), got "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    # (one dtype: the kernel picks either pointer at run time, and a compiled kernel's branches need one type)
     if (q_norm is None) != (k_norm is None) or any(
-            w is not None and (w.shape != (head_dim,) or w.stride(-1) != 1) for w in (q_norm, k_norm)):
-        raise ValueError(f"{name}: q_norm and k_norm must both be contiguous ({head_dim},) head norm weights, or "
-                         f"both None; got {[None if w is None else tuple(w.shape) for w in (q_norm, k_norm)]}")
+            w is not None and (w.shape != (head_dim,) or w.stride(-1) != 1) for w in (q_norm, k_norm)) or (
+            q_norm is not None and (q_norm.dtype, q_norm.device) != (k_norm.dtype, k_norm.device)):
+        got = [None if w is None else (tuple(w.shape), w.dtype) for w in (q_norm, k_norm)]
+        raise ValueError(f"{name}: q_norm and k_norm must both be contiguous ({head_dim},) head norm weights of one "
+                         f"dtype, or both None; got {got}")
 
 
 def _cache_strides(q, k_cache, v_cache, slots) -> tuple:
