@@ -135,13 +135,11 @@ def layer_parts(layer) -> _Parts | None:
     module = sys.modules.get(type(attn).__module__)
     attention = _source(type(attn).forward)
     head_norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
-    if attention is None:
+    if attention is not None and attention == sources["attention"]:
+        head_norms = ()  # Llama's attention: no head norms
+    elif (attention is None or attention != _head_norm_attention_source() or None in head_norms
+          or any(_source(type(n).forward) != sources["norm"] for n in head_norms)):
         return None
-    if attention != sources["attention"] and (attention != _head_norm_attention_source() or None in head_norms
-                                              or any(_source(type(n).forward) != sources["norm"] for n in head_norms)):
-        return None
-    if attention == sources["attention"]:
-        head_norms = ()
     if (_source(type(layer).forward) != sources["layer"]
             or _source(getattr(module, "apply_rotary_pos_emb", None)) != sources["rotary"]
             or _source(getattr(module, "rotate_half", None)) != sources["rotate_half"]

@@ -169,6 +169,11 @@ def _check_heads(name: str, batch: int, tokens: int, head_dim: int, cos, sin, q_
                          f"dtype, or both None; got {got}")
 
 
+def _row_block(rows: int) -> int:
+    """Rows per program of either launch (a program per head and row block): no wider than the rows need."""
+    return min(_launch.LINEAR_TUNING["qkv_rope"]["block_m"], max(16, triton.next_power_of_2(rows)))
+
+
 def _cache_strides(q, k_cache, v_cache, slots) -> tuple:
     return (q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), slots.stride(0))
@@ -198,7 +203,7 @@ def qkv_rope_write(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
     sumsq = row_sumsq if row_sumsq is not None else x2[:, :1]  # (unread without the row scale)
     q = _launch.empty(batch, tokens, q_heads, head_dim, dtype=x.dtype, device=x.device)
     setting = _launch.LINEAR_TUNING["qkv_rope"]
-    block_m = min(setting["block_m"], max(16, triton.next_power_of_2(batch * tokens)))
+    block_m = _row_block(batch * tokens)
     half = head_dim // 2
     _qkv_rope_write[(q_heads + 2 * kv_heads, triton.cdiv(batch * tokens, block_m))](
         x2, wq, wk, wv, *((bq, bk, bv) if has_bias else (x2, x2, x2)),
@@ -235,7 +240,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     x2 = qkv.reshape(batch * tokens, width)
     q = _launch.empty(batch, tokens, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     setting = _launch.LINEAR_TUNING["qkv_rope"]
-    block_m = min(setting["block_m"], max(16, triton.next_power_of_2(batch * tokens)))
+    block_m = _row_block(batch * tokens)
     half = head_dim // 2
     _rope_write_kv[(q_heads + 2 * kv_heads, triton.cdiv(batch * tokens, block_m))](
         x2, *((q_norm, k_norm) if q_norm is not None else (x2, x2)), cos, sin, q, k_cache, v_cache, slots,
