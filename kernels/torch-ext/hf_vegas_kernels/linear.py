@@ -98,12 +98,22 @@ def _grouped_linear(
         if GATED:
             prefetch_rows(W1, cols, n_ok, stride_w1, K, K_LINES, tl.program_id(1), tl.num_programs(1))
     wait_for_inputs(USE_GDC, EARLY_TRIGGER)  # the input is the previous kernel's output
+    # The epilogue's operands are asked for before the main loop, so that their latency hides behind it: read after
+    # it, each was one more memory round trip on the critical path of a draft layer's chain of launches.
+    ok = m_ok[:, None] & n_ok[None, :]
+    if ROW_SCALE:  # the input was `x * norm_weight`: the RMSNorm's per-row factor scales the products
+        scale = _row_scale(SumSqIn, rows, m_ok, K, eps, stride_si, parts_in, BLOCK_P)[:, None]
+    if HAS_BIAS and not GATED:
+        bias = tl.load(B + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_RESIDUAL and not GATED:
+        residual = tl.load(Res + rows[:, None] * stride_rm + out_cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    if NORM_OUT:
+        norm_weight = tl.load(NormW + out_cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
         gate, up = _tiles(X, W0, W1, rows, cols, m_ok, n_ok, K, stride_xm, stride_w0, stride_w1, True, BLOCK_M,
                           BLOCK_N, BLOCK_K, PRECISION)
         release_dependents(USE_GDC, EARLY_TRIGGER)
-        if ROW_SCALE:  # the input was `x * norm_weight`: the RMSNorm's per-row factor scales the products
-            scale = _row_scale(SumSqIn, rows, m_ok, K, eps, stride_si, parts_in, BLOCK_P)[:, None]
+        if ROW_SCALE:
             gate, up = gate * scale, up * scale
         result = _activate(gate, ACT) * up
     else:
@@ -111,21 +121,18 @@ def _grouped_linear(
                            BLOCK_N, BLOCK_K, PRECISION)
         release_dependents(USE_GDC, EARLY_TRIGGER)
         if ROW_SCALE:  # (before the bias, as the gated products are scaled before their activation)
-            result *= _row_scale(SumSqIn, rows, m_ok, K, eps, stride_si, parts_in, BLOCK_P)[:, None]
+            result *= scale
         if HAS_BIAS:
-            result += tl.load(B + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            result += bias
         if HAS_RESIDUAL:  # one rounding of the fp32 sum, as cuBLAS' addmm (beta = 1) rounds
-            result += tl.load(Res + rows[:, None] * stride_rm + out_cols[None, :], mask=m_ok[:, None] & n_ok[None, :],
-                              other=0.0).to(tl.float32)
-    ok = m_ok[:, None] & n_ok[None, :]
+            result += residual
     out = result.to(Out.dtype.element_ty)
     tl.store(Out + rows[:, None] * stride_om + out_cols[None, :], out, mask=ok)
     if NORM_OUT:  # for the next RMSNorm: this block's sum of squares of each rounded row, and the row times its weight
         rounded = tl.where(ok, out.to(tl.float32), 0.0)
         tl.store(SumSqOut + rows * stride_so + tl.program_id(0), tl.sum(rounded * rounded, axis=1), mask=m_ok)
-        weight = tl.load(NormW + out_cols, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(Scaled + rows[:, None] * stride_sc + out_cols[None, :],
-                 (rounded * weight[None, :]).to(Scaled.dtype.element_ty), mask=ok)
+                 (rounded * norm_weight).to(Scaled.dtype.element_ty), mask=ok)
 
 
 def block_n_for(*sizes: int, widest: int = 64) -> int | None:

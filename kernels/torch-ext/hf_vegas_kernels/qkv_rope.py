@@ -33,45 +33,65 @@ from .linear import _row_scale, check_row_sumsq
 
 
 @triton.jit
+def _head_operands(
+    head, rows, m_ok, j, j_ok, T, QNorm, KNorm, Cos, Sin, Slots, stride_cb, stride_ct, stride_sb, stride_st,
+    stride_slot_b, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_NORM: tl.constexpr,
+):
+    """What finishing head `head` of rows `rows` reads besides the head itself: the rotary tables' halves (queries
+    and keys), the head norm's weight halves (with `HEAD_NORM`) and the rows' cache slots (keys and values), each
+    masked off where the head does not use it. Loaded on their own so that `_qkv_rope_write` can ask for them before
+    its main loop, whose latency then hides theirs."""
+    b = (rows // T).to(tl.int64)
+    t = rows % T
+    # (as blocks, not scalars: masks must be tensors of the load's shape or broadcastable ones, in the interpreter too)
+    turns = j_ok & ((j * 0 + head) < Q_HEADS + KV_HEADS)  # queries and keys turn; values do not
+    ok = m_ok[:, None] & turns[None, :]
+    cos = Cos + b[:, None] * stride_cb + t[:, None] * stride_ct + j[None, :]
+    sin = Sin + b[:, None] * stride_sb + t[:, None] * stride_st + j[None, :]
+    cos1 = tl.load(cos, mask=ok, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos + HALF, mask=ok, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin, mask=ok, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin + HALF, mask=ok, other=0.0).to(tl.float32)
+    norm1 = j.to(tl.float32) * 0.0
+    norm2 = norm1
+    if HEAD_NORM:  # the model's RMSNorm over each query and key head
+        if head < Q_HEADS:
+            NormW = QNorm
+        else:
+            NormW = KNorm
+        norm1 = tl.load(NormW + j, mask=turns, other=0.0).to(tl.float32)
+        norm2 = tl.load(NormW + HALF + j, mask=turns, other=0.0).to(tl.float32)
+    slot = tl.load(Slots + b * stride_slot_b + t, mask=m_ok & ((rows * 0 + head) >= Q_HEADS), other=0).to(tl.int64)
+    return cos1, cos2, sin1, sin2, norm1, norm2, slot
+
+
+@triton.jit
 def _finish_head(
-    acc1, acc2, head, h, rows, m_ok, j, j_ok, T, QNorm, KNorm, head_eps, Cos, Sin, QOut, KCache, VCache, Slots,
-    stride_cb, stride_ct, stride_sb, stride_st, stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh, stride_slot_b,
+    acc1, acc2, head, h, rows, m_ok, j, j_ok, T, head_eps, cos1, cos2, sin1, sin2, norm1, norm2, slot, QOut, KCache,
+    VCache, stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HEAD_NORM: tl.constexpr,
 ):
     """Head `head` (the `h`-th of its kind) of rows `rows`, as fp32 halves `acc1`, `acc2` `(BLOCK_M, BLOCK_HALF)`,
-    zero beyond `HALF`: normalise (queries and keys, with `HEAD_NORM`), rotate (queries and keys) and store, the
-    queries to `QOut`, the keys and values into their cache slots."""
+    zero beyond `HALF`, with `_head_operands`' operands: normalise (queries and keys, with `HEAD_NORM`), rotate
+    (queries and keys) and store, the queries to `QOut`, the keys and values into their cache slots."""
     b = (rows // T).to(tl.int64)
     t = rows % T
     ok = m_ok[:, None] & j_ok[None, :]
     if head < Q_HEADS + KV_HEADS:  # queries and keys turn; values do not
         if HEAD_NORM:  # the model's RMSNorm over each head (in fp32), before the rotation
-            if head < Q_HEADS:
-                NormW = QNorm
-            else:
-                NormW = KNorm
             mean_square = (tl.sum(acc1 * acc1, axis=1) + tl.sum(acc2 * acc2, axis=1)) / HEAD_DIM
             factor = tl.rsqrt(mean_square + head_eps)[:, None]
-            acc1 *= factor * tl.load(NormW + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-            acc2 *= factor * tl.load(NormW + HALF + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-        cos = Cos + b[:, None] * stride_cb + t[:, None] * stride_ct + j[None, :]
-        sin = Sin + b[:, None] * stride_sb + t[:, None] * stride_st + j[None, :]
-        cos1 = tl.load(cos, mask=ok, other=0.0).to(tl.float32)
-        cos2 = tl.load(cos + HALF, mask=ok, other=0.0).to(tl.float32)
-        sin1 = tl.load(sin, mask=ok, other=0.0).to(tl.float32)
-        sin2 = tl.load(sin + HALF, mask=ok, other=0.0).to(tl.float32)
+            acc1 *= factor * norm1[None, :]
+            acc2 *= factor * norm2[None, :]
         out1, out2 = acc1 * cos1 - acc2 * sin1, acc2 * cos2 + acc1 * sin2
     else:
         out1, out2 = acc1, acc2
     if head < Q_HEADS:
         dest = QOut + b * stride_qb + t * stride_qt + h * stride_qh
+    elif head < Q_HEADS + KV_HEADS:
+        dest = KCache + b * stride_kb + slot * stride_ks + h * stride_kh
     else:
-        slot = tl.load(Slots + b * stride_slot_b + t, mask=m_ok, other=0).to(tl.int64)
-        if head < Q_HEADS + KV_HEADS:
-            dest = KCache + b * stride_kb + slot * stride_ks + h * stride_kh
-        else:
-            dest = VCache + b * stride_vb + slot * stride_vs + h * stride_vh
+        dest = VCache + b * stride_vb + slot * stride_vs + h * stride_vh
     tl.store(dest[:, None] + j[None, :], out1.to(dest.dtype.element_ty), mask=ok)
     tl.store(dest[:, None] + HALF + j[None, :], out2.to(dest.dtype.element_ty), mask=ok)
 
@@ -102,6 +122,16 @@ def _qkv_rope_write(
         prefetch_rows(W, h * HEAD_DIM + tl.arange(0, 2 * BLOCK_HALF), tl.arange(0, 2 * BLOCK_HALF) < HEAD_DIM,
                       stride_w, K, K_LINES, tl.program_id(1), tl.num_programs(1))
     wait_for_inputs(USE_GDC, EARLY_TRIGGER)  # the input is the previous kernel's output
+    # What the epilogue reads, asked for before the main loop so that its latency hides behind it (after the loop,
+    # these were one more memory round trip on the critical path of a draft layer's chain of launches).
+    cos1, cos2, sin1, sin2, norm1, norm2, slot = _head_operands(
+        head, rows, m_ok, j, j_ok, T, QNorm, KNorm, Cos, Sin, Slots, stride_cb, stride_ct, stride_sb, stride_st,
+        stride_slot_b, Q_HEADS, KV_HEADS, HALF, HEAD_NORM)
+    if ROW_SCALE:  # the input was `x * norm_weight`: the RMSNorm's per-row factor scales the projection
+        scale = _row_scale(SumSq, rows, m_ok, K, eps, stride_sm, parts, BLOCK_P)[:, None]
+    if HAS_BIAS:
+        bias1 = tl.load(B + cols, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+        bias2 = tl.load(B + cols + HALF, mask=j_ok, other=0.0).to(tl.float32)[None, :]
     acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -114,16 +144,14 @@ def _qkv_rope_write(
         acc1 += tl.dot(x, w1.to(x.dtype), input_precision=PRECISION)
         acc2 += tl.dot(x, w2.to(x.dtype), input_precision=PRECISION)
     release_dependents(USE_GDC, EARLY_TRIGGER)
-    if ROW_SCALE:  # the input was `x * norm_weight`: the RMSNorm's per-row factor scales the projection
-        scale = _row_scale(SumSq, rows, m_ok, K, eps, stride_sm, parts, BLOCK_P)[:, None]
+    if ROW_SCALE:
         acc1, acc2 = acc1 * scale, acc2 * scale
     if HAS_BIAS:
-        acc1 += tl.load(B + cols, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-        acc2 += tl.load(B + cols + HALF, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-    _finish_head(acc1, acc2, head, h, rows, m_ok, j, j_ok, T, QNorm, KNorm, head_eps, Cos, Sin, QOut, KCache, VCache,
-                 Slots, stride_cb, stride_ct, stride_sb, stride_st, stride_qb, stride_qt, stride_qh, stride_kb,
-                 stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_slot_b, Q_HEADS, KV_HEADS, HEAD_DIM,
-                 HALF, HEAD_NORM)
+        acc1 += bias1
+        acc2 += bias2
+    _finish_head(acc1, acc2, head, h, rows, m_ok, j, j_ok, T, head_eps, cos1, cos2, sin1, sin2, norm1, norm2, slot,
+                 QOut, KCache, VCache, stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
+                 stride_vs, stride_vh, Q_HEADS, KV_HEADS, HEAD_DIM, HALF, HEAD_NORM)
 
 
 @triton.jit
@@ -150,10 +178,12 @@ def _rope_write_kv(
     first = QKV + rows[:, None] * stride_xm + head * HEAD_DIM + j[None, :]
     acc1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
     acc2 = tl.load(first + HALF, mask=ok, other=0.0).to(tl.float32)
-    _finish_head(acc1, acc2, head, h, rows, m_ok, j, j_ok, T, QNorm, KNorm, head_eps, Cos, Sin, QOut, KCache, VCache,
-                 Slots, stride_cb, stride_ct, stride_sb, stride_st, stride_qb, stride_qt, stride_qh, stride_kb,
-                 stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_slot_b, Q_HEADS, KV_HEADS, HEAD_DIM,
-                 HALF, HEAD_NORM)
+    cos1, cos2, sin1, sin2, norm1, norm2, slot = _head_operands(
+        head, rows, m_ok, j, j_ok, T, QNorm, KNorm, Cos, Sin, Slots, stride_cb, stride_ct, stride_sb, stride_st,
+        stride_slot_b, Q_HEADS, KV_HEADS, HALF, HEAD_NORM)
+    _finish_head(acc1, acc2, head, h, rows, m_ok, j, j_ok, T, head_eps, cos1, cos2, sin1, sin2, norm1, norm2, slot,
+                 QOut, KCache, VCache, stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
+                 stride_vs, stride_vh, Q_HEADS, KV_HEADS, HEAD_DIM, HALF, HEAD_NORM)
 
 
 def _check_heads(name: str, batch: int, tokens: int, head_dim: int, cos, sin, q_norm, k_norm) -> None:
