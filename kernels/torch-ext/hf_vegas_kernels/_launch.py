@@ -17,6 +17,10 @@ import torch
 # itself (15.6 us against 20.5 us with 64-slot blocks and 4 waves), batch 16 five (8.6 against 9.0), batch 4 five
 # (6.5 against 6.3). A kernel with every KV head of a row in one program (contiguous slot reads, a block-diagonal
 # query tile) was slower at every batch (19.7 / 9.7 / 6.8 us at 64 / 16 / 4 rows, commit ece2ebb) and was dropped.
+# An H200 agrees (9587590, `--sweep --draft-only --boost 1.13` and `--sweep --verify-only` at SmolLM2 64 x 7.5K): the
+# best drafts took 15.1-16.6 us, all in one split of 128-slot blocks as here, and the verification kept its setting
+# (114.6 us; 131.9 with the softmax-weight scores). That draft is within 1.4 us of a bare gather of the same keys and
+# values (`benchmarks/gather_floor.py`, ec40556: 13.9 against 12.5 us): no launch setting is left to find there.
 # The benchmark overrides these to sweep; nothing else should.
 #
 # `fused_combine`: the last split of each (row, KV head) merges the splits' states in the kernel instead of a combine
