@@ -10,7 +10,8 @@ that L2 holds none of it):
   gather     `gather_sums`, a kernel that reads the same keys and values, one program per (split, row, KV head),
              and does no attention math: the least a launch must spend on those bytes, best of a grid of
              block sizes, warps, pipeline stages and splits.
-The attention's distance above the gather is what a better draft-attention kernel could still win at that shape;
+The attention's distance above the gather is what a better draft-attention kernel could still win at that shape (the
+gather leaves out the 7-slot tail the attention also reads, about 1 % of the bytes);
 both against the read bandwidth say what the launch itself (start, first loads, tail) costs at a few tens of MB.
 One JSON record per timing goes to --out with GPU, versions and commit.
 """
@@ -59,11 +60,14 @@ def gather_sums(k_cache, v_cache, sel_idx, count, splits: int, block_n: int, out
     share's slots of `k * v` (in fp32): `(B * Hkv * splits, D)`, into `out` if given. Only a reason to read the
     bytes. `launch`: Triton's launch options (`num_warps`, `num_stages`)."""
     batch, _, kv_heads, head_dim = k_cache.shape
-    if v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1 or sel_idx.stride(-1) != 1:
-        raise ValueError("gather_sums: caches of one layout with a contiguous last dimension, and a selection with "
-                         "one, please")
+    if (v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1
+            or sel_idx.stride(-1) != 1 or sel_idx.shape[0] != batch or count.shape != (batch,)):
+        raise ValueError("gather_sums: caches of one shape and layout with a contiguous last dimension, a selection "
+                         "of one row per sequence with one, and one count per sequence, please")
     if out is None:
         out = torch.empty(batch * kv_heads * splits, head_dim, device=k_cache.device)
+    elif out.shape != (batch * kv_heads * splits, head_dim) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"gather_sums: out must be contiguous fp32 ({batch * kv_heads * splits}, {head_dim})")
     _gather_sums[(splits, batch * kv_heads)](
         k_cache, v_cache, sel_idx, count, out, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         sel_idx.stride(0), KV_HEADS=kv_heads, D=head_dim, BLOCK_N=block_n, **launch)

@@ -30,11 +30,15 @@ def test_gather_sums_matches_the_reference(index_dtype, splits, block_n):
     assert out.view(batch, kv_heads, splits, head_dim)[0].eq(0).all()  # an empty list reads nothing
 
 
-def test_gather_sums_refuses_a_selection_without_a_contiguous_last_dimension():
+def test_gather_sums_refuses_what_it_cannot_read_or_write():
     k_cache = torch.zeros(1, 8, 1, 16)
-    with pytest.raises(ValueError, match="gather_sums"):
-        gather_floor.gather_sums(k_cache, k_cache, torch.zeros(1, 8, dtype=torch.int64)[:, ::2],
-                                 torch.tensor([4]), 1, 16)
+    sel_idx, count = torch.zeros(1, 4, dtype=torch.int64), torch.tensor([4])
+    for args, kwargs in [((k_cache, k_cache, torch.zeros(1, 8, dtype=torch.int64)[:, ::2], count), {}),
+                         ((k_cache, torch.zeros(1, 8, 1, 8), sel_idx, count), {}),
+                         ((k_cache, k_cache, sel_idx, torch.tensor([4, 4])), {}),
+                         ((k_cache, k_cache, sel_idx, count), {"out": torch.zeros(2, 16)})]:
+        with pytest.raises(ValueError, match="gather_sums"):
+            gather_floor.gather_sums(*args, 1, 16, **kwargs)
 
 
 @pytest.mark.parametrize("argv", [["--selected", "0"], ["--selected", "7494"], ["--copies", "0"]])
