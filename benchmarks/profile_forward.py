@@ -1,6 +1,7 @@
 """Where a Vegas iteration's GPU time and memory go: kernels per step kind (torch.profiler) and peak memory.
 
     python benchmarks/profile_forward.py --batch 64 --prompt-tokens 7500 --compile          # graphs, as benchmarked
+    python benchmarks/profile_forward.py --random-weights --compile --sequence 26           # + one layer's chain
     python benchmarks/profile_forward.py --eager                                            # every kernel launch
     python benchmarks/profile_forward.py --random-weights --sample                          # no GGUF needed
     python benchmarks/profile_forward.py --qwen3-8b-shape --batch 4 --prompt-tokens 32768 --compile
@@ -53,15 +54,30 @@ def load(random_weights: bool, qwen3_8b_shape: bool = False, max_positions: int 
         return LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
 
+def chain_increments(spans: list[tuple[float, float]]) -> list[float]:
+    """For kernels `(start, duration)` in launch order: what each adds to the step's span, its end past the latest
+    end before it (0 if it ends earlier). Under programmatic dependent launch a kernel starts, and its clock runs,
+    while the one it waits for still runs, so durations overlap and over-count; these increments add up to the time
+    the kernels keep the GPU busy (the span less its idle gaps) and say what each launch costs the chain."""
+    latest, increments = float("-inf"), []
+    for start, duration in spans:
+        end = start + duration
+        increments.append(max(0.0, end - max(latest, start)))
+        latest = max(latest, end)
+    return increments
+
+
 def kernel_table(prof, top: int, sequence: int = 0) -> str:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     lines = [f"{len(kernels)} kernels, {sum(e.device_time for e in kernels) / 1e3:.3f} ms of kernel time"]
     if sequence:  # a window of the launch order (from the middle, so it shows one whole layer of a forward)
         ordered = sorted(kernels, key=lambda e: e.time_range.start)
+        adds = chain_increments([(e.time_range.start, e.device_time) for e in ordered])
         middle = len(ordered) // 2
-        for e in ordered[middle:middle + sequence]:
+        lines.append("     start    duration   adds to the chain")
+        for e, add in zip(ordered[middle:middle + sequence], adds[middle:middle + sequence]):
             lines.append(f"  {e.time_range.start - ordered[middle].time_range.start:9.1f} us  "
-                         f"{e.device_time:7.2f} us  {e.name[:80]}")
+                         f"{e.device_time:7.2f} us  {add:7.2f} us  {e.name[:80]}")
     families = defaultdict(lambda: [0, 0.0])
     for e in kernels:
         families[e.name[:70]][0] += 1
