@@ -79,8 +79,9 @@ def gather_sums_reference(k_cache, v_cache, sel_idx, count, splits: int, block_n
     batch, _, kv_heads, head_dim = k_cache.shape
     out = torch.zeros(batch, kv_heads, splits, head_dim)
     for b in range(batch):
+        blocks = -(-int(count[b]) // block_n)  # (ceiling divisions, as the kernel's `tl.cdiv`)
+        chunk = -(-blocks // splits) * block_n
         n = int(count[b])
-        chunk = -(-(-(-n // block_n)) // splits) * block_n
         for split in range(splits):
             slots = sel_idx[b, split * chunk:min(split * chunk + chunk, n)].long()
             out[b, :, split] = (k_cache[b, slots].float() * v_cache[b, slots].float()).sum(0)
@@ -141,15 +142,13 @@ def main() -> None:
         raise SystemExit("benchmarks/gather_floor.py needs a CUDA GPU.")
     import transformers
     from gpu_timing import read_bandwidth
-    from provenance import commit, dirty, tree
+    from provenance import gpu_run
     from results_io import append_records
 
     import hf_vegas
 
-    base = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "transformers": transformers.__version__, "hf_vegas": hf_vegas.__version__,
-            "commit": args.commit or commit(), "dirty": dirty(), "tree": tree(), "dtype": "bfloat16",
-            "shape": "smollm2-135m", "read_bandwidth_GBps": read_bandwidth() / 1e9}
+    base = gpu_run(args.commit, transformers=transformers.__version__, hf_vegas=hf_vegas.__version__,
+                   dtype="bfloat16", shape="smollm2-135m", read_bandwidth_GBps=read_bandwidth() / 1e9)
     records = []
 
     def write(record):  # appended as it comes, so a run cut short keeps what it measured
