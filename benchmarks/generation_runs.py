@@ -20,12 +20,12 @@ DECODINGS = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, tem
 COMMON_GENERATE: dict = {}
 
 
-def run_hf(model, ids, mask, new_tokens, decoding) -> tuple[dict, torch.Tensor]:
+def run_hf(model, ids, mask, new_tokens, decoding, seed: int = 0) -> tuple[dict, torch.Tensor]:
     common = dict(attention_mask=mask, max_new_tokens=new_tokens, cache_implementation="static", **DECODINGS[decoding],
                   **COMMON_GENERATE)
     model.generate(ids, **common)  # compiles the decode step for this shape
     clock = FirstTokenClock()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     torch.cuda.reset_peak_memory_stats()
     out = model.generate(ids, **common, stopping_criteria=transformers.StoppingCriteriaList([clock]))
     torch.cuda.synchronize()
@@ -38,16 +38,16 @@ def run_hf(model, ids, mask, new_tokens, decoding) -> tuple[dict, torch.Tensor]:
                 hf=ran, **_peak_memory()), out
 
 
-def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfig, history: list[str] | None = None
-             ) -> dict:
-    """Our warm-up and timed generation; `history`: a real run's rows' rejections its selections note instead of
-    its own (`projection.replaying`)."""
+def run_ours(model, ids, mask, new_tokens, decoding, config: hf_vegas.VegasConfig, history: list[str] | None = None,
+             seed: int = 0) -> dict:
+    """Our warm-up and timed generation (sampling draws from torch's generator seeded with `seed`); `history`: a
+    real run's rows' rejections its selections note instead of its own (`projection.replaying`)."""
     common = dict(attention_mask=mask, max_new_tokens=new_tokens, custom_generate="vegas", vegas_config=config,
                   return_dict_in_generate=True, **DECODINGS[decoding], **COMMON_GENERATE)
     with projection.replaying(history):
         model.generate(ids, **common)  # warm-up: Triton compiles, graphs captured (kept for the timed call)
         timer = IterationTimes()
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         torch.cuda.reset_peak_memory_stats()
         with timer.record():
             out = model.generate(ids, **common)

@@ -4,7 +4,9 @@
 
 One panel per (model, decoding, and tensor-parallel world size where above 1): decode tokens/s of each method at
 each batch size (bars, log scale), with each method's memory-traffic bound as a tick above its bar (under tensor
-parallelism, over the GPUs' bandwidth together). Projected values (random-weight shapes) are hatched.
+parallelism, over the GPUs' bandwidth together). Projected values (random-weight shapes) are hatched. A sampled
+measurement over several seeds (`throughput.py --seeds`) is drawn as the mean of its seeds' calls, with a line from
+the least to the most.
 """
 
 from __future__ import annotations
@@ -33,14 +35,17 @@ def main() -> None:
     records = read_records(args.records)
     # The last record of each measurement wins. Experiments are not plotted: compiler options (`--inductor`) and launch
     # settings other than the defaults (`--tuning`, `--tuning-sets`).
-    latest = {}
+    latest, seeds = {}, {}
     for r in records:
         chosen = args.commit is None or any(r["commit"].startswith(c) for c in args.commit)  # (a short or full hash)
         if chosen and "tokens_per_s" in r and not r.get("sweep") \
                 and not r.get("inductor") and not r.get("tuning_overrides") and not r.get("tuning_set"):
             # a tensor-parallel run is its own panel ("qwen3-8b-shape, TP = 2"): its bars are those of N GPUs
             model = r["model"] + (f", TP = {r['world_size']}" if r.get("world_size", 1) > 1 else "")
-            latest[(model, r["decoding"], r["batch"], r["prompt_tokens"], r["method"])] = r
+            key = (model, r["decoding"], r["batch"], r["prompt_tokens"], r["method"])
+            latest[key] = r
+            if "seed" in r:
+                seeds.setdefault(key, {})[r["seed"]] = r
     commit = ", ".join(sorted({r["commit"][:7] for r in latest.values()}))  # (records may hold full hashes)
     panels = sorted({(m, d) for m, d, *_ in latest}, key=lambda p: (p[0] != "smollm2", p))
     gpus = sorted({_short(r["gpu"]) for r in latest.values()})
@@ -56,8 +61,12 @@ def main() -> None:
                 if r is None:
                     continue
                 x = g + (i - (len(methods) - 1) / 2) * width
-                ax.bar(x, r["tokens_per_s"], width, color=COLORS[method], hatch="//" if r.get("projected") else None,
-                       label=LABELS[method] if g == 0 else None, edgecolor="white")
+                rates = _seed_rates(r, seeds.get((model, decoding, batch, prompt, method), {}))
+                if len(rates) > 1:
+                    ax.plot([x, x], [min(rates), max(rates)], color="black", linewidth=0.8)
+                ax.bar(x, sum(rates) / len(rates), width, color=COLORS[method],
+                       hatch="//" if r.get("projected") else None, label=LABELS[method] if g == 0 else None,
+                       edgecolor="white")
                 ax.plot([x - width / 2, x + width / 2], [r["bound_tokens_per_s"]] * 2, color="black", linewidth=1.5)
         # Several GPUs in one figure (a shape that fits only the larger card): each group says where it ran.
         where = {g: {_short(r["gpu"]) for key, r in latest.items() if key[:4] == (model, decoding, *g)}
@@ -75,6 +84,15 @@ def main() -> None:
     save_figure(fig, args.out, f"hf_vegas throughput, {', '.join(gpus)}, bf16, commits {commit}; black tick: "
                 f"memory-traffic bound (read GB/s: {bandwidths}); hatched: projected", 9,
                 f"{len(latest)} records (commits {commit})")
+
+
+def _seed_rates(latest: dict, by_seed: dict) -> list[float]:
+    """The tokens/s of the measurement `latest` ends: its seeds' latest calls on the same commit and GPU (one value
+    for a measurement without seeds)."""
+    if "seed" not in latest:
+        return [latest["tokens_per_s"]]
+    run = (latest["commit"], latest["gpu"])
+    return [r["tokens_per_s"] for r in by_seed.values() if (r["commit"], r["gpu"]) == run]
 
 
 def _short(gpu: str) -> str:

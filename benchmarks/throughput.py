@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py                           # every default workload (below), greedy and sampling
     python benchmarks/throughput.py --workloads smollm2:64x7500 --decodings greedy
+    python benchmarks/throughput.py --workloads smollm2:64x7500 --decodings sample --seeds 0 1 2 3 4   # draws' spread
     python benchmarks/throughput.py --sweep --compile         # the regime map: SmolLM2, batch x prompt grid
     python benchmarks/throughput.py --workloads smollm2:64x7500 --methods vegas --compile --repeats 2 --tuning-sets
         "pdl:early_trigger=0" ""                              # (one command) an A/B of launch settings, one process
@@ -16,8 +17,11 @@ Methods, on the same prompts in one process:
   streaming  hf_vegas, policy "streaming" (StreamingLLM selection) at the same gamma and budget
 Under `torchrun --nproc_per_node N` the model is sharded with `tp_plan="auto"` (`tensor_parallel_runs.py`);
 `--tp-all-reduce symmetric_memory` sums our methods' row-parallel outputs through symmetric memory (2 GPUs).
-Each runs once to warm up (compile, capture), then once timed. Decode tokens/s = batch x (new tokens - 1) / the time
-from the first token (after the prefill) to the last. EOS is ignored: every row generates exactly the tokens asked.
+Each runs once to warm up (compile, capture), then once timed (sampling: once per `--seeds` seed, each its own record,
+compared with the other methods' call of the same seed; the table ends with the mean over the seeds: the batch waits
+for its slowest row, and the draws decide which row that is, so one seed's tokens/s is one draw of a spread).
+Decode tokens/s = batch x (new tokens - 1) / the time from the first token (after the prefill) to the last. EOS is
+ignored: every row generates exactly the tokens asked.
 Bounds (`hf_vegas/traffic.py`): the bytes a step must read over the read bandwidth measured in this run. On
 random-weight shapes Vegas' throughput is projected: measured iteration time x tokens per iteration of SmolLM2 (same
 decoding and selection settings), its rows' draft budgets following SmolLM2's rows' (`projection.py`). Vegas'
@@ -160,6 +164,10 @@ def main() -> None:
                         help="an A/B in one process: each of our methods runs once under each set of overrides "
                              "(quoted and space-separated; '' for the defaults), its graphs captured again (recorded "
                              "as tuning_set)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0], metavar="SEED",
+                        help="sampling: one timed call per torch seed, each its own record (a sampled batch waits for "
+                             "its slowest row, and the draws decide which row that is: the spread over seeds is part "
+                             "of the result); greedy runs once")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the whole list of jobs this many times, one pass after the other (run-to-run noise)")
     parser.add_argument("--inductor", nargs="+", default=[], metavar="OPTION=VALUE",
@@ -179,6 +187,8 @@ def main() -> None:
     tuning_sets = launch_tuning.parse_sets(args.tuning_sets) if args.tuning_sets else [None]
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be a positive integer, got {args.repeats}")
+    if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
+        raise SystemExit(f"--seeds must be distinct non-negative integers, got {args.seeds}")
     defaults = launch_tuning.snapshot()  # with --tuning applied: each set starts from it
     if args.prefill_chunk is not None:
         if args.prefill_chunk < 1:
@@ -211,13 +221,15 @@ def main() -> None:
         earlier = [r for r in read_records(args.project_from) if r["real_weights"] and "error" not in r]
     # Every pass runs every job; the sets take turns in opposite orders in alternate passes, so that neither is always
     # the one that runs first (after a model load or another method).
-    jobs = [(rep, w, d, m, s) for rep in range(args.repeats) for w in plan
+    jobs = [(rep, w, d, m, s, seed) for rep in range(args.repeats) for w in plan
             for d in (args.decodings if w.real_weights else ["greedy"]) for m in args.methods
-            for s in ((tuning_sets if rep % 2 == 0 else tuning_sets[::-1]) if m != "hf" else [None])]
+            for s in ((tuning_sets if rep % 2 == 0 else tuning_sets[::-1]) if m != "hf" else [None])
+            for seed in (args.seeds if d == "sample" else [0])]
     bar = tqdm(jobs, desc="throughput", dynamic_ncols=True, disable=args.no_progress or not leader)
     current_set = None
-    for repeat, workload, decoding, method, tuning_set in bar:
-        bar.set_postfix_str(f"{workload} {decoding} {method}" + (f" [{tuning_set}]" if tuning_set is not None else ""))
+    for repeat, workload, decoding, method, tuning_set, seed in bar:
+        bar.set_postfix_str(f"{workload} {decoding} {method}" + (f" [{tuning_set}]" if tuning_set is not None else "")
+                            + (f" seed {seed}" if decoding == "sample" else ""))
         if tuning_set != current_set and loaded[1] is not None:
             hf_vegas.release_graphs(loaded[1])  # graphs captured under other launch settings must not replay
         launch_tuning.restore(defaults)
@@ -248,13 +260,14 @@ def main() -> None:
                       method=method, config=config.to_dict() if config else {"cache_implementation": "static"},
                       **projected,
                       **({"tuning_set": set_overrides} if tuning_set is not None else {}),
-                      **({"repeat": repeat} if args.repeats > 1 else {}))
+                      **({"repeat": repeat} if args.repeats > 1 else {}),
+                      **({"seed": seed} if decoding == "sample" else {}))
         try:
             if method == "hf":
                 hf_vegas.release_graphs()  # give HF the memory our cache held
-                measured, sequences = run_hf(model, ids, mask, new_tokens, decoding)
+                measured, sequences = run_hf(model, ids, mask, new_tokens, decoding, seed)
             else:
-                measured, sequences = run_ours(model, ids, mask, new_tokens, decoding, config, history)
+                measured, sequences = run_ours(model, ids, mask, new_tokens, decoding, config, history, seed)
             record.update(measured)
             if decoding == "greedy" and method == "dense":
                 dense_tokens[str(workload)] = sequences
@@ -337,14 +350,21 @@ def _as_run(config: hf_vegas.VegasConfig, record: dict) -> hf_vegas.VegasConfig 
 
 def _add_ratios(record, records) -> None:
     """Speedups over HF and our dense path measured in this run, and the traffic model's over dense (the ratio of
-    the two bounds: what the bytes alone would allow at this workload and the measured tokens per iteration)."""
-    for other in records:
-        same = all(other.get(k) == record[k] for k in ("model", "batch", "prompt_tokens", "decoding")) \
-            and other.get("repeat") == record.get("repeat")  # (`--repeats`: within one pass)
-        if not same or "tokens_per_s" not in other or other["method"] not in ("hf", "dense"):
+    the two bounds: what the bytes alone would allow at this workload and the measured tokens per iteration). With
+    `--seeds`, a sampled call is compared with the other method's call of the same seed."""
+    def comparable(other) -> bool:
+        return (all(other.get(k) == record[k] for k in ("model", "batch", "prompt_tokens", "decoding"))
+                and other.get("repeat") == record.get("repeat")  # (`--repeats`: within one pass)
+                and "tokens_per_s" in other and other["method"] in ("hf", "dense")
+                and other["method"] != record["method"]
+                # (an A/B of launch settings: each against dense under its own)
+                and (other["method"] != "dense" or other.get("tuning_set") == record.get("tuning_set")))
+
+    candidates = [other for other in records if comparable(other)]
+    for other in candidates:
+        if other.get("seed") != record.get("seed") and any(
+                o["method"] == other["method"] and o.get("seed") == record.get("seed") for o in candidates):
             continue
-        if other["method"] == "dense" and other.get("tuning_set") != record.get("tuning_set"):
-            continue  # (an A/B of launch settings: each against dense under its own)
         record[f"x_{other['method']}"] = record["tokens_per_s"] / other["tokens_per_s"]
         if other["method"] == "dense":
             record["predicted_x_dense"] = record["bound_tokens_per_s"] / other["bound_tokens_per_s"]

@@ -14,6 +14,31 @@ def _budget_note(r) -> str:
     return f"; drafts at {r['budget_scale']:.2f}x the plain budget{held}{real}"
 
 
+def seed_summaries(records) -> list[dict]:
+    """Per run of several sampling seeds (`--seeds`: same workload, method, launch settings and pass), the mean,
+    least and most tokens/s and iterations over its seeds, and the mean speedup over dense where each has one."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if "seed" in r and "error" not in r:
+            key = (r["model"], r["batch"], r["prompt_tokens"], r["decoding"], r["method"],
+                   str(r.get("tuning_set")), r.get("repeat"))
+            groups.setdefault(key, []).append(r)
+    summaries = []
+    for (model, batch, prompt, decoding, method, *_), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        rates = [r["tokens_per_s"] for r in rs]
+        summary = dict(workload=f"{model}:{batch}x{prompt}", decoding=decoding, method=method,
+                       seeds=[r["seed"] for r in rs], tokens_per_s=sum(rates) / len(rates),
+                       tokens_per_s_range=[min(rates), max(rates)])
+        if all(r.get("iterations") for r in rs):
+            summary["iterations_range"] = [min(r["iterations"] for r in rs), max(r["iterations"] for r in rs)]
+        if all("x_dense" in r for r in rs):
+            summary["x_dense"] = sum(r["x_dense"] for r in rs) / len(rs)
+        summaries.append(summary)
+    return summaries
+
+
 def print_table(records) -> None:
     print(f"\n{'workload':<24} {'decoding':<7} {'method':<9} {'tok/s':>9} {'step ms':>8} {'bound tok/s':>11} "
           f"{'%bound':>6} {'tok/iter':>8} {'iters':>5} {'tail':>5} {'x hf':>6} {'x dense':>7} {'pred.':>6} "
@@ -33,7 +58,15 @@ def print_table(records) -> None:
               f"{r.get('straggler_tail', nan):>5.2f} {r.get('x_hf', nan):>6.2f} {r.get('x_dense', nan):>7.2f} "
               f"{r.get('predicted_x_dense', nan):>6.2f} {r.get('peak_memory_GiB', nan):>8.1f}  {parts}"
               + (f"  [{' '.join(f'{k}={v}' for k, v in r['tuning_set'].items())}]" if "tuning_set" in r else "")
-              + (f"  pass {r['repeat'] + 1}" if "repeat" in r else ""))
+              + (f"  pass {r['repeat'] + 1}" if "repeat" in r else "")
+              + (f"  seed {r['seed']}" if "seed" in r else ""))
+    for m in seed_summaries(records):
+        low, high = m["tokens_per_s_range"]
+        iterations = (f", {m['iterations_range'][0]}-{m['iterations_range'][1]} iterations"
+                      if "iterations_range" in m else "")
+        versus = f", {m['x_dense']:.2f}x dense on average" if "x_dense" in m else ""
+        print(f"{m['workload']} {m['decoding']} {m['method']} over seeds {m['seeds']}: {m['tokens_per_s']:.0f} "
+              f"tokens/s on average ({low:.0f}-{high:.0f}){iterations}{versus}")
     print("* projected: measured iteration time x tokens per iteration of the real model (random weights); "
           "pred.: the traffic model's speedup over dense; tail: iterations over those a row of average acceptance "
           "needs (the batch waits for its slowest row)")
