@@ -5,8 +5,8 @@
 One panel per (model, decoding, and tensor-parallel world size where above 1): decode tokens/s of each method at
 each batch size (bars, log scale), with each method's memory-traffic bound as a tick above its bar (under tensor
 parallelism, over the GPUs' bandwidth together). Projected values (random-weight shapes) are hatched. A sampled
-measurement over several seeds (`throughput.py --seeds`) is drawn as the mean of its seeds' calls, with a line from
-the least to the most.
+measurement over several seeds (`throughput.py --seeds`) is drawn as the mean of its seeds' calls in that process,
+with a line from the least to the most.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main() -> None:
             key = (model, r["decoding"], r["batch"], r["prompt_tokens"], r["method"])
             latest[key] = r
             if "seed" in r:
-                seeds.setdefault(key, {})[r["seed"]] = r
+                seeds.setdefault(key, []).append(r)
     commit = ", ".join(sorted({r["commit"][:7] for r in latest.values()}))  # (records may hold full hashes)
     panels = sorted({(m, d) for m, d, *_ in latest}, key=lambda p: (p[0] != "smollm2", p))
     gpus = sorted({_short(r["gpu"]) for r in latest.values()})
@@ -61,13 +61,15 @@ def main() -> None:
                 if r is None:
                     continue
                 x = g + (i - (len(methods) - 1) / 2) * width
-                rates = _seed_rates(r, seeds.get((model, decoding, batch, prompt, method), {}))
+                measured = seed_calls(r, seeds.get((model, decoding, batch, prompt, method), []))
+                rates = [m["tokens_per_s"] for m in measured]
                 if len(rates) > 1:
                     ax.plot([x, x], [min(rates), max(rates)], color="black", linewidth=0.8)
                 ax.bar(x, sum(rates) / len(rates), width, color=COLORS[method],
                        hatch="//" if r.get("projected") else None, label=LABELS[method] if g == 0 else None,
                        edgecolor="white")
-                ax.plot([x - width / 2, x + width / 2], [r["bound_tokens_per_s"]] * 2, color="black", linewidth=1.5)
+                bound = sum(m["bound_tokens_per_s"] for m in measured) / len(measured)
+                ax.plot([x - width / 2, x + width / 2], [bound] * 2, color="black", linewidth=1.5)
         # Several GPUs in one figure (a shape that fits only the larger card): each group says where it ran.
         where = {g: {_short(r["gpu"]) for key, r in latest.items() if key[:4] == (model, decoding, *g)}
                  for g in groups}
@@ -86,13 +88,15 @@ def main() -> None:
                 f"{len(latest)} records (commits {commit})")
 
 
-def _seed_rates(latest: dict, by_seed: dict) -> list[float]:
-    """The tokens/s of the measurement `latest` ends: its seeds' latest calls on the same commit and GPU (one value
-    for a measurement without seeds)."""
+def seed_calls(latest: dict, with_seeds: list[dict]) -> list[dict]:
+    """The records of the measurement `latest` ends: for a sampled one over several seeds (`throughput.py --seeds`),
+    the latest call of each seed in the same process (`run`; records from before `run` existed: the same commit and
+    GPU), in the order `with_seeds` holds them (the file's); else `latest` alone."""
     if "seed" not in latest:
-        return [latest["tokens_per_s"]]
-    run = (latest["commit"], latest["gpu"])
-    return [r["tokens_per_s"] for r in by_seed.values() if (r["commit"], r["gpu"]) == run]
+        return [latest]
+    same = ("run",) if "run" in latest else ("commit", "gpu")
+    calls = {r["seed"]: r for r in with_seeds if all(r.get(k) == latest[k] for k in same)}
+    return list(calls.values()) or [latest]
 
 
 def _short(gpu: str) -> str:

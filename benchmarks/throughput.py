@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import uuid
 from pathlib import Path
 
 import torch
@@ -202,8 +203,10 @@ def main() -> None:
     leader = world == 1 or tensor_parallel_runs.start() == 0  # the rank that writes records and prints
 
     bandwidth = read_bandwidth()
-    base = gpu_run(args.commit, transformers=transformers.__version__, hf_vegas=hf_vegas.__version__,
-                   dtype="bfloat16", read_bandwidth_GBps=bandwidth / 1e9, world_size=world,
+    # `run` marks this process's records (the plot finds a measurement's seeds by it, `plot_throughput.py`)
+    base = gpu_run(args.commit, run=uuid.uuid4().hex, transformers=transformers.__version__,
+                   hf_vegas=hf_vegas.__version__, dtype="bfloat16", read_bandwidth_GBps=bandwidth / 1e9,
+                   world_size=world,
                    **({"inductor": inductor} if inductor else {}), **({"tuning_overrides": tuning} if tuning else {}),
                    **COMMON_GENERATE)
     for option, value in inductor.items():
@@ -219,17 +222,12 @@ def main() -> None:
     earlier = []  # earlier real-model records, for the projections only (not re-written or re-printed)
     if args.project_from:
         earlier = [r for r in read_records(args.project_from) if r["real_weights"] and "error" not in r]
-    # Every pass runs every job; the sets take turns in opposite orders in alternate passes, so that neither is always
-    # the one that runs first (after a model load or another method).
-    jobs = [(rep, w, d, m, s, seed) for rep in range(args.repeats) for w in plan
-            for d in (args.decodings if w.real_weights else ["greedy"]) for m in args.methods
-            for s in ((tuning_sets if rep % 2 == 0 else tuning_sets[::-1]) if m != "hf" else [None])
-            for seed in (args.seeds if d == "sample" else [0])]
+    jobs = job_list(plan, args.decodings, args.methods, tuning_sets, args.repeats, args.seeds)
     bar = tqdm(jobs, desc="throughput", dynamic_ncols=True, disable=args.no_progress or not leader)
     current_set = None
-    for repeat, workload, decoding, method, tuning_set, seed in bar:
+    for repeat, workload, decoding, method, tuning_set, seed in bar:  # (seed None: greedy)
         bar.set_postfix_str(f"{workload} {decoding} {method}" + (f" [{tuning_set}]" if tuning_set is not None else "")
-                            + (f" seed {seed}" if decoding == "sample" else ""))
+                            + (f" seed {seed}" if seed is not None else ""))
         if tuning_set != current_set and loaded[1] is not None:
             hf_vegas.release_graphs(loaded[1])  # graphs captured under other launch settings must not replay
         launch_tuning.restore(defaults)
@@ -261,13 +259,13 @@ def main() -> None:
                       **projected,
                       **({"tuning_set": set_overrides} if tuning_set is not None else {}),
                       **({"repeat": repeat} if args.repeats > 1 else {}),
-                      **({"seed": seed} if decoding == "sample" else {}))
+                      **({"seed": seed} if seed is not None else {}))
         try:
             if method == "hf":
                 hf_vegas.release_graphs()  # give HF the memory our cache held
-                measured, sequences = run_hf(model, ids, mask, new_tokens, decoding, seed)
+                measured, sequences = run_hf(model, ids, mask, new_tokens, decoding, seed or 0)
             else:
-                measured, sequences = run_ours(model, ids, mask, new_tokens, decoding, config, history, seed)
+                measured, sequences = run_ours(model, ids, mask, new_tokens, decoding, config, history, seed or 0)
             record.update(measured)
             if decoding == "greedy" and method == "dense":
                 dense_tokens[str(workload)] = sequences
@@ -307,6 +305,17 @@ def main() -> None:
         print_table(records)
     if world > 1:
         tensor_parallel_runs.finish()
+
+
+def job_list(plan, decodings, methods, tuning_sets, repeats: int, seeds) -> list[tuple]:
+    """`(pass, workload, decoding, method, launch-setting set, seed)` in the order they run: random-weight shapes
+    greedy only (their acceptance means nothing), sampling once per seed (greedy: seed None), HF outside the launch
+    settings' A/B. Every pass runs every job; the sets take turns in opposite orders in alternate passes, so that
+    neither is always the one that runs first (after a model load or another method)."""
+    return [(rep, w, d, m, s, seed) for rep in range(repeats) for w in plan
+            for d in (decodings if w.real_weights else ["greedy"]) for m in methods
+            for s in ((tuning_sets if rep % 2 == 0 else tuning_sets[::-1]) if m != "hf" else [None])
+            for seed in (seeds if d == "sample" else [None])]
 
 
 def _add_throughput(record, model, workload, method, new_tokens, config, real, bandwidth) -> None:

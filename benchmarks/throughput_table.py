@@ -15,13 +15,14 @@ def _budget_note(r) -> str:
 
 
 def seed_summaries(records) -> list[dict]:
-    """Per run of several sampling seeds (`--seeds`: same workload, method, launch settings and pass), the mean,
-    least and most tokens/s and iterations over its seeds, and the mean speedup over dense where each has one."""
+    """Per measurement over several sampling seeds (`--seeds`: same process, workload, method, launch settings and
+    pass), the mean, least and most tokens/s and iterations over its seeds, and the mean speedup over dense where
+    each has one."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         if "seed" in r and "error" not in r:
             key = (r["model"], r["batch"], r["prompt_tokens"], r["decoding"], r["method"],
-                   str(r.get("tuning_set")), r.get("repeat"))
+                   str(r.get("tuning_set")), r.get("repeat"), r.get("run"), r.get("commit"), r.get("gpu"))
             groups.setdefault(key, []).append(r)
     summaries = []
     for (model, batch, prompt, decoding, method, *_), rs in groups.items():

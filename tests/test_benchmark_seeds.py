@@ -68,24 +68,63 @@ def test_bad_seeds_stop_before_any_gpu_work(monkeypatch, seeds):
         throughput.main()
 
 
+def test_summaries_keep_passes_and_processes_apart():
+    records = []
+    for run, repeat in (("a", 0), ("a", 1), ("b", 0)):
+        for seed, rate in ((0, 10.0), (1, 20.0 + repeat)):
+            records.append(dict(WORKLOAD, decoding="sample", method="vegas", seed=seed, tokens_per_s=rate, run=run,
+                                repeat=repeat, commit="c" * 40, gpu="NVIDIA H200"))
+    summaries = seed_summaries(records)
+    assert [s["tokens_per_s_range"] for s in summaries] == [[10.0, 20.0], [10.0, 21.0], [10.0, 20.0]]
+    assert all(s["seeds"] == [0, 1] for s in summaries)
+
+
+def test_sampled_jobs_run_once_per_seed_and_greedy_or_random_weights_once():
+    import workloads
+
+    plan = [workloads.parse_workload("smollm2:64x7500"), workloads.parse_workload("qwen3-8b-shape:4x32768")]
+    sets = [None, "pdl:enabled=0"]
+    jobs = throughput.job_list(plan, ["greedy", "sample"], ["hf", "dense", "vegas"], sets, 2, [0, 3])
+    real, shape = [j for j in jobs if j[1] is plan[0]], [j for j in jobs if j[1] is plan[1]]
+    assert {j[2] for j in shape} == {"greedy"} and all(j[5] is None for j in shape), "random weights: greedy only"
+    for repeat in (0, 1):
+        sampled = [(m, s, seed) for r, _, d, m, s, seed in real if r == repeat and d == "sample"]
+        if repeat == 1:
+            sets = sets[::-1]  # (alternate passes take the sets in the opposite order)
+        assert sampled == [("hf", None, 0), ("hf", None, 3)] + [
+            (m, s, seed) for m in ("dense", "vegas") for s in sets for seed in (0, 3)]
+        greedy = [(m, s, seed) for r, _, d, m, s, seed in real if r == repeat and d == "greedy"]
+        assert greedy == [("hf", None, None)] + [(m, s, None) for m in ("dense", "vegas") for s in sets]
+
+
 def test_the_plot_draws_the_mean_of_the_last_measurements_seeds(tmp_path, monkeypatch):
     import json
 
+    import matplotlib.axes
     import plot_throughput
 
-    def record(seed, tokens_per_s, commit="b" * 40):
+    def record(seed, tokens_per_s, run="new", commit="b" * 40):
         return dict(WORKLOAD, decoding="sample", method="vegas", seed=seed, tokens_per_s=tokens_per_s, commit=commit,
-                    gpu="NVIDIA H200", read_bandwidth_GBps=4000.0)
+                    gpu="NVIDIA H200", read_bandwidth_GBps=4000.0, run=run, bound_tokens_per_s=10 * tokens_per_s)
 
-    older = record(2, 99.0, commit="a" * 40)  # an earlier measurement's seed 2: not part of the last one
-    rows = [older, record(0, 20.0), record(1, 30.0)]
-    by_seed = {0: rows[1], 1: rows[2], 2: older}
-    assert plot_throughput._seed_rates(rows[2], by_seed) == [20.0, 30.0]
+    earlier = record(2, 99.0, run="old")  # the same commit and GPU, another process: not this measurement's seed
+    rows = [earlier, record(0, 20.0), record(1, 30.0), record(0, 40.0)]  # seed 0 again: its latest call counts
+    assert plot_throughput.seed_calls(rows[-1], rows) == [rows[3], rows[2]]
+    no_run = [{k: v for k, v in r.items() if k != "run"} for r in rows]  # (records from before `run`)
+    assert plot_throughput.seed_calls(no_run[-1], no_run) == [no_run[0], no_run[3], no_run[2]], "same commit and GPU"
     no_seed = {k: v for k, v in rows[2].items() if k != "seed"}
-    assert plot_throughput._seed_rates(no_seed, by_seed) == [30.0]
+    assert plot_throughput.seed_calls(no_seed, rows) == [no_seed]
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "plot.png"
+    bars, ticks = [], []
+    bar, plot = matplotlib.axes.Axes.bar, matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar",
+                        lambda self, x, height, *a, **k: bars.append(height) or bar(self, x, height, *a, **k))
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, xs, ys, *a, **k: ticks.append(list(ys)) or plot(self, xs, ys, *a, **k))
     monkeypatch.setattr(sys, "argv", ["plot_throughput.py", "--records", str(path), "--out", str(out)])
     plot_throughput.main()
+    assert bars == [35.0], "the mean of seed 0's latest call (40) and seed 1's (30)"
+    assert ticks == [[30.0, 40.0], [350.0, 350.0]], "the seeds' range, then the mean bound"
     assert out.stat().st_size > 0
