@@ -1,5 +1,6 @@
-"""The throughput benchmark's draft-step bound (`benchmarks/throughput.py`, `draft_step`): what one sparse draft step
-of an iteration reads (weights + selected KV + tail) over the bandwidth, beside the measured draft time per step."""
+"""The throughput benchmark's draft-step bound (`benchmarks/throughput_records.py`, `draft_step`): what one sparse
+draft step of an iteration reads (weights + selected KV + tail) over the bandwidth, beside the measured draft time per
+step."""
 
 import pathlib
 import sys
@@ -9,7 +10,7 @@ from hf_vegas import traffic
 from tiny_models import tiny_model
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
-from throughput import draft_step  # noqa: E402
+from throughput_records import draft_step  # noqa: E402
 from workloads import Workload  # noqa: E402
 
 

@@ -14,7 +14,7 @@ from tiny_models import ragged_batch, tiny_model
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
 import projection  # noqa: E402
-from throughput import draft_step  # noqa: E402
+from throughput_records import draft_step  # noqa: E402
 from workloads import Workload  # noqa: E402
 
 CONFIG = VegasConfig(gamma=6)

@@ -8,6 +8,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
 import throughput  # noqa: E402
+import throughput_records  # noqa: E402
 from throughput_table import print_table, seed_summaries  # noqa: E402
 
 WORKLOAD = dict(model="smollm2", batch=64, prompt_tokens=7502, bound_tokens_per_s=1.0)
@@ -20,7 +21,7 @@ def _records(rates: dict[tuple[str, int], float], iterations: dict[int, int]) ->
                       step_ms=1.0, fraction_of_bound=1.0)
         if method == "vegas":
             record["iterations"] = iterations[seed]
-        throughput._add_ratios(record, records)
+        throughput_records.add_ratios(record, records)
         records.append(record)
     return records
 
@@ -34,7 +35,7 @@ def test_each_seed_is_compared_with_the_dense_call_of_its_own_seed():
 def test_a_seed_without_its_own_dense_call_takes_the_latest_dense_one():
     greedy = dict(WORKLOAD, decoding="greedy", method="dense", tokens_per_s=10.0)
     vegas = dict(WORKLOAD, decoding="greedy", method="vegas", tokens_per_s=25.0)
-    throughput._add_ratios(vegas, [greedy])
+    throughput_records.add_ratios(vegas, [greedy])
     assert vegas["x_dense"] == 2.5
     records = _records({("dense", 0): 10.0, ("vegas", 0): 30.0, ("vegas", 7): 40.0}, {0: 50, 7: 44})
     assert records[-1]["x_dense"] == 4.0, "no dense call of seed 7: the one there is"

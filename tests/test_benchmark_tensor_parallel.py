@@ -73,10 +73,10 @@ def test_weight_bytes_of_tensor_parallel_shards_count_the_whole_weights(one_rank
 def test_an_auto_gamma_run_is_timed_and_bounded_at_the_gamma_it_ran_most():
     """`gamma="auto"`: the NCCL timing under TP and the bounds take the gamma the run chose most (an integer the
     collectives can be counted for), or its dense path; a fixed gamma stays as it is."""
-    from throughput import _as_run
+    from throughput_records import as_run
 
     auto = VegasConfig(gamma="auto")
-    assert _as_run(auto, {"gammas_run": {"0": 3, "4": 9, "6": 2}}).gamma == 4
-    assert _as_run(auto, {"gammas_run": {"0": 9, "4": 3}}) == 0
+    assert as_run(auto, {"gammas_run": {"0": 3, "4": 9, "6": 2}}).gamma == 4
+    assert as_run(auto, {"gammas_run": {"0": 9, "4": 3}}) == 0
     fixed = VegasConfig(gamma=6)
-    assert _as_run(fixed, {"gammas_run": {"6": 31}}) is fixed
+    assert as_run(fixed, {"gammas_run": {"6": 31}}) is fixed

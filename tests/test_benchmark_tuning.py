@@ -43,7 +43,7 @@ def test_sets_are_checked_before_any_run_and_change_nothing():
 def test_speedups_compare_each_run_with_dense_of_its_own_set_and_pass():
     """`--tuning-sets` with `--repeats`: a Vegas record's `x_dense` is over the dense record of the same launch
     settings in the same pass (not the last dense record of any)."""
-    import throughput
+    import throughput_records
 
     workload = dict(model="smollm2", batch=64, prompt_tokens=7502, decoding="greedy", bound_tokens_per_s=1.0)
     records = []
@@ -51,6 +51,6 @@ def test_speedups_compare_each_run_with_dense_of_its_own_set_and_pass():
         for method, tuning_set, tokens_per_s in (("dense", {"pdl:enabled": 0}, 10.0 + repeat), ("dense", {}, 12.0),
                                                  ("vegas", {}, 30.0), ("vegas", {"pdl:enabled": 0}, 20.0)):
             record = dict(workload, method=method, tuning_set=tuning_set, repeat=repeat, tokens_per_s=tokens_per_s)
-            throughput._add_ratios(record, records)
+            throughput_records.add_ratios(record, records)
             records.append(record)
     assert [r.get("x_dense") for r in records] == [None, None, 2.5, 2.0, None, None, 2.5, 20.0 / 11.0]
