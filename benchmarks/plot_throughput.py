@@ -95,8 +95,8 @@ def seed_calls(latest: dict, with_seeds: list[dict]) -> list[dict]:
     if "seed" not in latest:
         return [latest]
     same = ("run",) if "run" in latest else ("commit", "gpu")
-    calls = {r["seed"]: r for r in with_seeds if all(r.get(k) == latest[k] for k in same)}
-    return list(calls.values()) or [latest]
+    calls = {r["seed"]: r for r in with_seeds if all(r.get(k) == latest[k] for k in same)}  # (`latest` among them)
+    return list(calls.values())
 
 
 def _short(gpu: str) -> str:

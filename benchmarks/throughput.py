@@ -166,6 +166,9 @@ def main() -> None:
         raise SystemExit(f"--repeats must be a positive integer, got {args.repeats}")
     if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
         raise SystemExit(f"--seeds must be distinct non-negative integers, got {args.seeds}")
+    if args.seeds != [0] and ("sample" not in args.decodings or not any(w.real_weights for w in plan)):
+        raise SystemExit(f"--seeds {' '.join(map(str, args.seeds))} would change nothing: seeds apply to sampling, "
+                         "which runs on real-model workloads with --decodings sample")
     defaults = launch_tuning.snapshot()  # with --tuning applied: each set starts from it
     if args.prefill_chunk is not None:
         if args.prefill_chunk < 1:

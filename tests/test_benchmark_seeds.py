@@ -69,6 +69,17 @@ def test_bad_seeds_stop_before_any_gpu_work(monkeypatch, seeds):
         throughput.main()
 
 
+
+@pytest.mark.parametrize("argv", [["--workloads", "smollm2:1x100", "--decodings", "greedy"],
+                                  ["--workloads", "qwen3-8b-shape:1x100"]])
+def test_seeds_that_would_change_nothing_are_refused(monkeypatch, argv):
+    """Greedy runs once, and random-weight shapes run greedy only: seeds asked for there would be ignored."""
+    monkeypatch.setattr(throughput.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(throughput, "read_bandwidth", lambda: pytest.fail("measured before checking --seeds"))
+    monkeypatch.setattr(sys, "argv", ["throughput.py", *argv, "--seeds", "0", "1"])
+    with pytest.raises(SystemExit, match="--seeds 0 1 would change nothing"):
+        throughput.main()
+
 def test_summaries_keep_passes_and_processes_apart():
     records = []
     for run, repeat in (("a", 0), ("a", 1), ("b", 0)):
