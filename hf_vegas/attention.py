@@ -61,11 +61,15 @@ def vegas_attention_forward(
         raise ValueError("hf_vegas runs inference only: attention dropout must be 0 (call model.eval()).")
     if cache.spread:  # a model on several devices: this layer's kernels launch on its device
         with cache.device_guard(module.layer_idx):
-            return _attend(cache, module, query, key, value, scaling, sliding_window, softcap, kwargs.get("s_aux"))
-    return _attend(cache, module, query, key, value, scaling, sliding_window, softcap, kwargs.get("s_aux"))
+            return attend(cache, module, query, key, value, scaling, sliding_window, softcap, kwargs.get("s_aux"))
+    return attend(cache, module, query, key, value, scaling, sliding_window, softcap, kwargs.get("s_aux"))
 
 
-def _attend(cache: VegasCache, module, query, key, value, scaling, sliding_window, softcap, sinks):
+def attend(cache: VegasCache, module, query, key, value, scaling, sliding_window, softcap, sinks):
+    """The attention of `module`'s layer over `cache` after its keys and values are written: `query` `(B, Hq, T, D)`,
+    `key` and `value` the `(B, Hkv, S, D)` views `VegasCache.update` returns. Per the cache's step plan: a sparse
+    draft, or full attention and the selection it yields. Returns `(output (B, T, Hq, Dv), None)`; a fused layer
+    (`hf_vegas.draft_layers`) calls it for its verification and dense steps."""
     # `sinks`: gpt-oss' learned attention sinks, one logit per query head in every softmax's denominator (every op
     # takes them).
     if scaling is None:

@@ -1,4 +1,4 @@
-"""Fused draft layers: a standard pre-norm decoder layer (Llama and its kin) in fewer, fuller launches in draft steps.
+"""Fused layers: a standard pre-norm decoder layer (Llama and its kin) in fewer, fuller launches in decode-sized steps.
 
 A SmolLM2 draft step at batch 64 is bound by its launch count, not its bytes (`benchmarks/profile_forward.py`):
 even compiled, each layer is eleven kernels of 1-4 us (add + norm, q/k/v, two rotary halves, the cache write, the
@@ -38,17 +38,24 @@ and writes after it: six kernels. (The model's own compiled forward of a Qwen3-8
 projections, the attention and five small kernels of about 15 us together at 16 x 32K on an H200,
 `benchmarks/RESULTS.md`.)
 
-Drafts only decide how many tokens are accepted, never which (the verification, with the model's own layers, picks
-every token; sampling uses the drafts' real probabilities), so this rounding is free to differ from the model's.
+The same launches run the narrow verification and dense steps (`FULL_STEPS`: at most `attention.MAX_KERNEL_QUERY_ROWS`
+query rows per KV head, e.g. SmolLM2's 7 tokens x 3 query heads), with the attention the model's own layer would call
+(`attention.attend`: full attention and the selection it yields) in place of the sparse draft attention. The model's
+own compiled forward runs ~15 launches per layer there (H100: 456 kernels in a SmolLM2 dense step of 30 layers,
+`benchmarks/profile_forward.py`). These steps pick the tokens, so their rounding is the kernels' (fp32 accumulation,
+like cuBLAS, in another order, and the norms folded as above) rather than the model's: the verification and our dense
+path (`gamma=0`) round alike, which `benchmarks/throughput.py` checks (`agreement_with_dense`); on the CPU, in fp32,
+the tokens stay vanilla's (the plain-PyTorch backend runs no fused layer). `fuse_projections=False` keeps the model's
+own layers in every step. Drafts only decide how many tokens are accepted, never which.
 
 Which layers: the decoder layer, its attention and its norms run exactly the code of transformers' own Llama classes
 (compared as source text against the installed release, so a model whose code differs in anything, a bias on the
 output projection, a soft cap, another rotary convention, keeps its own forward), or Qwen3's attention, with plain
-`nn.Linear` projections, in draft forwards of few enough rows for the one-launch kernels to pay
-(`fused_projections._max_rows`: any draft of small weights, a few rows of large ones), no hooks, and full attention in
-this generation (sliding-window layers keep their window). Everything else, and every prefill, verification and dense
-step, runs the model's own forward. Instance `forward` attributes are removed when the block exits. Every kernel is a
-`torch.library` custom op, so a compiled draft step (`vegas_compile`) traces the fused layer with the rest.
+`nn.Linear` projections, in forwards of few enough rows for the one-launch kernels to pay
+(`fused_projections._max_rows`: any narrow step of small weights, a few rows of large ones), no hooks, and full
+attention in this generation (sliding-window layers keep their window). Everything else, and every prefill, runs
+the model's own forward. Instance `forward` attributes are removed when the block exits. Every kernel is a
+`torch.library` custom op, so a compiled step (`vegas_compile`) traces the fused layer with the rest.
 """
 
 from __future__ import annotations
@@ -63,8 +70,13 @@ import torch
 
 from .fused_projections import _gated_mlp_activation, _large, _max_rows, _plain_linears, fused_projections
 from ._compat import internals as compat
+from .attention import MAX_KERNEL_QUERY_ROWS, attend
 from .ops import backend
 from .rotary_tables import rotary_tables
+
+
+# The steps besides drafts whose narrow forwards the fused layers run (`StepPlan.MODES`: "decode" is a dense step).
+FULL_STEPS = ("verify", "decode")
 
 
 @functools.lru_cache(maxsize=256)  # asked for every layer of every generate call: read each function's file once
@@ -121,6 +133,7 @@ class _Parts:
     split_qkv: bool  # weights too large for a program per head: `qkv_linear`, then `rope_write_kv`
     max_rows: int  # the largest draft forward the fused kernels pay for (`fused_projections._max_rows`)
     fold_norms: bool  # the norms ride in the projections (else: launches of their own)
+    attention: torch.nn.Module  # the layer's attention module, for the attention dispatch of verification/dense steps
     next_norm: tuple[torch.Tensor, float] | None = None  # the next fused layer's input norm (weight, eps)
     hands_on: bool = False  # the next layer is fused too: it gets the rotary tables (and `next_norm`'s input)
 
@@ -185,23 +198,32 @@ def layer_parts(layer) -> _Parts | None:
         head_norms=(*(norm.weight for norm in head_norms), head_norms[0].variance_epsilon) if head_norms else None,
         max_rows=min(_max_rows(q.weight, k.weight, v.weight), _max_rows(mlp.gate_proj.weight, mlp.up_proj.weight)),
         fold_norms=q.weight.dtype != torch.float16 and linear.block_n_for(o.out_features) is not None,
+        attention=attn,
     )
 
 
 def _applies(parts: _Parts, cache, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> bool:
-    """Whether this forward is a draft step the fused layer runs: a one-token sparse draft of at most
-    `parts.max_rows` rows, in the weights' dtype, without autocast, with per-row rotary factors over the whole head
-    (anything else runs the model's own forward)."""
-    return (not args and cache is not None and kwargs.get(compat.CACHE_KEYWORD) is cache and cache.plan.mode == "draft"
-            and kwargs.get("position_embeddings") is not None
-            and kwargs["position_embeddings"][0].shape == (hidden_states.shape[0], 1, parts.head_dim)
+    """Whether this forward is a step the fused layer runs: a one-token sparse draft, or a verification or dense
+    step narrow enough for the attention kernels (`attention.MAX_KERNEL_QUERY_ROWS` query rows per KV head), of at
+    most `parts.max_rows` rows, in the weights' dtype, without autocast, with per-token rotary factors over the whole
+    head (anything else, every prefill among them, runs the model's own forward)."""
+    if args or cache is None or kwargs.get(compat.CACHE_KEYWORD) is not cache or hidden_states.dim() != 3:
+        return False
+    batch, tokens = hidden_states.shape[:2]
+    mode = cache.plan.mode
+    if mode == "draft":
+        narrow = tokens == 1
+    else:
+        narrow = mode in FULL_STEPS and parts.q_heads // parts.kv_heads * tokens <= MAX_KERNEL_QUERY_ROWS
+    position_embeddings = kwargs.get("position_embeddings")
+    return (narrow and position_embeddings is not None
+            and position_embeddings[0].shape == (batch, tokens, parts.head_dim)
             and not cache.layers[parts.layer_idx].is_sliding and cache.layers[parts.layer_idx].is_initialized
-            and hidden_states.dim() == 3 and hidden_states.shape[1] == 1 and hidden_states.shape[0] <= parts.max_rows
-            and hidden_states.dtype == parts.o_weight.dtype
+            and batch * tokens <= parts.max_rows and hidden_states.dtype == parts.o_weight.dtype
             and not torch.is_autocast_enabled(hidden_states.device.type))
 
 
-def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_embeddings,
+def _fused_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_embeddings,
                    carry: dict) -> torch.Tensor:
     kernels = cache.ops  # the Triton backend's: fused layers run on no other
     batch, tokens, hidden = hidden_states.shape
@@ -227,12 +249,16 @@ def _draft_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
     else:
         q = kernels.qkv_rope_write(normed, *parts.qkv, *bias, cos, sin, store.keys, store.values,
                                    cache.plan.write_slots, *heads, row_sumsq, parts.eps_in, *head_norms)
-    sel = cache.selection
-    attn = kernels.sparse_draft_attention(
-        q.transpose(1, 2), store.keys, store.values, cache.plan.query_slots, cache.plan.attend_lengths,
-        sel.sel_idx[parts.layer_idx], sel.sel_count[parts.layer_idx], sel.sel_end, parts.scaling,
-        list_len=sel.draft_list_len, split_len=sel.draft_split_len,
-    )
+    if cache.plan.mode == "draft":
+        sel = cache.selection
+        attn = kernels.sparse_draft_attention(
+            q.transpose(1, 2), store.keys, store.values, cache.plan.query_slots, cache.plan.attend_lengths,
+            sel.sel_idx[parts.layer_idx], sel.sel_count[parts.layer_idx], sel.sel_end, parts.scaling,
+            list_len=sel.draft_list_len, split_len=sel.draft_split_len,
+        )
+    else:  # a verification or dense step: the attention the model's own layer would call, its selection included
+        attn, _ = attend(cache, parts.attention, q.transpose(1, 2), store.keys.transpose(1, 2),
+                         store.values.transpose(1, 2), parts.scaling, None, None, None)
     # Each residual sum is one launch that reads the residual in its epilogue (`torch.addmm` would copy it first),
     # and writes what the norm after it needs.
     attn = attn.reshape(batch * tokens, -1)
@@ -277,8 +303,9 @@ def _link_norms(decoder, parts: dict) -> None:
 
 @contextlib.contextmanager
 def fused_draft_layers(model, cache):
-    """Inside the block, the decoder layers of `model` that `layer_parts` accepts run their draft steps over `cache`
-    as fused launches (Triton backend); every other forward runs as before. Yields the number of layers fused."""
+    """Inside the block, the decoder layers of `model` that `layer_parts` accepts run their draft steps, and their
+    narrow verification and dense steps, over `cache` as fused launches (Triton backend); every other forward runs as
+    before. Yields the number of layers fused."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     all_parts = {layer: parts for layer in decoder.modules() if (parts := layer_parts(layer)) is not None}
     _link_norms(decoder, all_parts)
@@ -290,7 +317,7 @@ def fused_draft_layers(model, cache):
 
             def forward(hidden_states, *args, _layer=layer, _parts=parts, _standard=standard, **kwargs):
                 if _applies(_parts, cache, hidden_states, args, kwargs):
-                    return _draft_forward(_parts, cache, hidden_states, kwargs["position_embeddings"], carry)
+                    return _fused_forward(_parts, cache, hidden_states, kwargs["position_embeddings"], carry)
                 carry.pop(_parts.layer_idx, None)  # a norm input handed to this layer, unused, is not kept
                 return _standard(_layer, hidden_states, *args, **kwargs)
 
@@ -305,9 +332,9 @@ def fused_draft_layers(model, cache):
 
 @contextlib.contextmanager
 def in_draft_steps(model, cache, enabled: bool):
-    """The fused draft layers, and the one-launch projections of the layers they do not cover (`fused_projections`),
-    for the forwards `cache` runs in its "draft" mode; a no-op context when not `enabled`. Yields the number of
-    layers fused."""
+    """The fused layers (for draft steps and narrow verification and dense steps), and the one-launch projections of
+    the layers they do not cover (`fused_projections`, in draft steps only: elsewhere those layers keep the model's
+    own projections); a no-op context when not `enabled`. Yields the number of layers fused."""
     if not enabled:
         yield 0
         return

@@ -159,10 +159,10 @@ def test_each_layer_runs_with_its_device_current(monkeypatch):
             return False
 
     monkeypatch.setattr(placement, "device_guard", Guard)
-    update, attend = cache_module.VegasLayer.update, attention._attend
+    update, attend = cache_module.VegasLayer.update, attention.attend
     monkeypatch.setattr(cache_module.VegasLayer, "update", lambda self, *a, **k: seen.append(
         ("write", self.keys.device if self.is_initialized else None, current[-1])) or update(self, *a, **k))
-    monkeypatch.setattr(attention, "_attend", lambda cache, module, *a: seen.append(
+    monkeypatch.setattr(attention, "attend", lambda cache, module, *a: seen.append(
         ("attend", module.layer_idx, current[-1])) or attend(cache, module, *a))
     model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, custom_generate="vegas",
                    vegas_gamma=2, vegas_sparsity=0.2, vegas_min_tokens=8)

@@ -170,6 +170,84 @@ def test_a_fused_draft_step_computes_what_the_model_s_layers_compute(monkeypatch
         assert_fp32_close(layer.values, values)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("mode", ["verify", "decode"])
+def test_a_fused_verification_or_dense_step_computes_what_the_model_s_layers_compute(monkeypatch, arch, mode):
+    """A verification of 3 tokens per row (with the selection it yields) and a dense step, over the same cache,
+    through the model's own layers and through the fused ones: the same logits (fp32, up to summation order), the same
+    keys and values written, and (verification) the same next selection; the fused launches do run."""
+    launches = []
+    original = kernels.qkv_rope_write
+    monkeypatch.setattr(kernels, "qkv_rope_write", lambda *args: launches.append(args[0].shape[1]) or original(*args))
+    model = _random_norms(tiny_model(arch)).to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
+    config = VegasConfig(gamma=2, sparsity=0.3, min_tokens=4, backend="triton", cuda_graphs=False)
+    cache = VegasCache(model.config, 2, 40, config, device=DEVICE, backend="triton")
+    runner = StepRunner(model, cache, LogitsProcessorList(), do_sample=False)
+    tokens = torch.tensor([[5, 9, 2], [7, 1, 3]], device=DEVICE)[:, :3 if mode == "verify" else 1]
+    sel = cache.selection
+
+    def step():
+        if mode == "verify":
+            runner.arm_verification()
+        else:
+            cache.begin("decode")
+        logits = runner.call_model(tokens, tokens.shape[1])
+        return logits, sel.sel_idx.clone(), sel.sel_count.clone()
+
+    with torch.no_grad(), vegas_attention(model), active_cache(cache):
+        runner.prefill(ids, left_pad=(mask == 0).sum(dim=1))
+        committed = cache.plan.lengths.clone()
+        sel.sel_idx.fill_(-1)  # (each verification writes the next selection over it)
+        want, want_idx, want_count = step()
+        written = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        cache.plan.rollback(committed)
+        sel.sel_idx.fill_(-1)
+        rows = torch.arange(2, device=DEVICE)[:, None]
+        slots = committed[:, None] + torch.arange(tokens.shape[1], device=DEVICE)
+        for layer in cache.layers:  # the fused step must write the slots itself
+            layer.keys[rows, slots] = NAN
+            layer.values[rows, slots] = NAN
+        with fused_draft_layers(model, cache) as fused:
+            assert fused == model.config.num_hidden_layers
+            got, got_idx, got_count = step()
+    assert launches == [tokens.shape[1]] * model.config.num_hidden_layers
+    assert_fp32_close(got, want)
+    for layer, (keys, values) in zip(cache.layers, written):
+        assert_fp32_close(layer.keys, keys)
+        assert_fp32_close(layer.values, values)
+    assert torch.equal(got_count, want_count)
+    # (a dense step selects nothing: both leave the -1s; a verification chooses the same slots)
+    assert torch.equal(got_idx, want_idx) and (mode == "decode") == bool((got_idx == -1).all())
+
+
+def test_wide_verifications_and_prefills_keep_the_model_s_layers(monkeypatch):
+    """A verification with more query rows per KV head than the attention kernels take (HF's assisted loop re-feeds
+    the prompt with its first one) and every prefill run the model's own layers."""
+    from hf_vegas import attention
+
+    monkeypatch.setattr(attention, "MAX_KERNEL_QUERY_ROWS", 4)
+    monkeypatch.setattr(draft_layers, "MAX_KERNEL_QUERY_ROWS", 4)
+    launches = []
+    original = kernels.qkv_rope_write
+    monkeypatch.setattr(kernels, "qkv_rope_write", lambda *args: launches.append(args[0].shape[1]) or original(*args))
+    model = tiny_model("llama").to(DEVICE)  # (4 query heads over 2 KV heads: 2 query rows per token)
+    ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
+    config = VegasConfig(gamma=2, sparsity=0.3, min_tokens=4, backend="triton", cuda_graphs=False)
+    cache = VegasCache(model.config, 2, 40, config, device=DEVICE, backend="triton")
+    runner = StepRunner(model, cache, LogitsProcessorList(), do_sample=False)
+    with torch.no_grad(), vegas_attention(model), active_cache(cache), fused_draft_layers(model, cache):
+        runner.prefill(ids, left_pad=(mask == 0).sum(dim=1))
+        assert launches == []
+        runner.arm_verification()
+        runner.call_model(torch.tensor([[5, 9, 2], [7, 1, 3]], device=DEVICE), 3)
+        assert launches == [], "3 tokens x 2 query heads exceed 4 rows"
+        cache.plan.rollback(cache.plan.lengths - 3)
+        runner.arm_verification()
+        runner.call_model(torch.tensor([[5, 9], [7, 1]], device=DEVICE), 2)
+    assert launches == [2] * model.config.num_hidden_layers
+
+
 def _draft_step(model, ids, mask, fused: bool, compile_with=None):
     """Prefill, then one draft step's logits through the model's own layers or the fused ones (`compile_with`: a
     `torch.compile` backend that runs the step)."""
@@ -216,8 +294,8 @@ def test_each_layer_hands_the_next_its_norm_input(monkeypatch):
 
     # Hidden states that are not the tensor the layer before returned (as a decoder that changes them between layers
     # would pass): every layer normalises its own input again, and the step still computes the model's.
-    fused_forward = draft_layers._draft_forward
-    monkeypatch.setattr(draft_layers, "_draft_forward", lambda *args: fused_forward(*args).clone())
+    fused_forward = draft_layers._fused_forward
+    monkeypatch.setattr(draft_layers, "_fused_forward", lambda *args: fused_forward(*args).clone())
     norms.clear()
     tables.clear()
     monkeypatch.setattr(kernels, "rms_norm", lambda *args: norms.append(1) or original(*args))
@@ -232,7 +310,7 @@ def test_a_layer_given_other_rotary_tables_than_its_predecessor_uses_its_own(mon
     model = _random_norms(tiny_model("llama")).to(DEVICE)
     assert model.config.num_hidden_layers >= 2
     ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
-    fused_forward = draft_layers._draft_forward
+    fused_forward = draft_layers._fused_forward
 
     def with_tables(shift: bool, handed: bool):
         def forward(parts, cache, hidden_states, position_embeddings, carry):
@@ -243,7 +321,7 @@ def test_a_layer_given_other_rotary_tables_than_its_predecessor_uses_its_own(mon
                     hidden_states = hidden_states.clone()
             return fused_forward(parts, cache, hidden_states, position_embeddings, carry)
 
-        monkeypatch.setattr(draft_layers, "_draft_forward", forward)
+        monkeypatch.setattr(draft_layers, "_fused_forward", forward)
         return _draft_step(model, ids, mask, fused=True)
 
     unshifted, shifted = with_tables(shift=False, handed=True), with_tables(shift=True, handed=True)

@@ -97,6 +97,10 @@ LINEAR_TUNING = {
     "qkv": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
     "gated": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
     "linear": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
+    # A single weight of at most LINEAR_SMALL_WEIGHT_BYTES (SmolLM2's output projection, 0.66 MB): its own entry, so
+    # that it can be tuned apart from the larger down projection (`benchmarks/experiments` on the branch
+    # experiment/persistent-mlp: `chain_sweep.py` times the whole fused draft layer per setting).
+    "linear_small": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
     "generic": {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3},
     # Weights of more than LINEAR_LARGE_WEIGHT_BYTES (a launch's, gate and up together) are read for their bytes, not
     # their launch: wider column blocks and longer K steps stream them faster. Qwen3-8B's at 16 rows (H200, commit
@@ -122,6 +126,8 @@ LINEAR_TUNED_ROWS = 64
 # line as hf_vegas.fused_projections.MAX_WEIGHT_BYTES, above which a draft's output and down projections take the
 # kernel: in those it runs the "linear_large" setting).
 LINEAR_LARGE_WEIGHT_BYTES = 16 << 20
+# At most this many weight bytes, a "linear" launch of at most LINEAR_TUNED_ROWS rows takes "linear_small".
+LINEAR_SMALL_WEIGHT_BYTES = 1 << 20
 
 # Warps per program of the in-register top-k selection (`select.py`, one program per (layer, row)); 0: 4 for rows of
 # at most 8K slots, 16 up to 16K, 32 beyond. At SmolLM2 batch 64 x 7.5K on an H100 (`kernel_bandwidth.py --tuning`,

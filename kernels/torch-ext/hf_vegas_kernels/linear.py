@@ -149,7 +149,9 @@ def tuning_kind(kind: str, rows: int, weight_bytes: int) -> str:
     `weight_bytes` of weights (all of the launch's) takes."""
     if rows > _launch.LINEAR_TUNED_ROWS:
         return "generic"
-    return f"{kind}_large" if weight_bytes > _launch.LINEAR_LARGE_WEIGHT_BYTES else kind
+    if weight_bytes > _launch.LINEAR_LARGE_WEIGHT_BYTES:
+        return f"{kind}_large"
+    return "linear_small" if kind == "linear" and weight_bytes <= _launch.LINEAR_SMALL_WEIGHT_BYTES else kind
 
 
 def _setting(kind: str, rows: int, sizes: list[int], element_bytes: int, k: int) -> dict:
