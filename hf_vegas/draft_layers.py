@@ -213,8 +213,10 @@ def _applies(parts: _Parts, cache, hidden_states: torch.Tensor, args: tuple, kwa
     mode = cache.plan.mode
     if mode == "draft":
         narrow = tokens == 1
-    else:
-        narrow = mode in FULL_STEPS and parts.q_heads // parts.kv_heads * tokens <= MAX_KERNEL_QUERY_ROWS
+    else:  # (the longest verification decides for the dense steps too: fused, or not, they round alike)
+        longest = cache.vegas_config.max_gamma + 1
+        narrow = (mode in FULL_STEPS and tokens <= longest and batch * longest <= parts.max_rows
+                  and parts.q_heads // parts.kv_heads * longest <= MAX_KERNEL_QUERY_ROWS)
     position_embeddings = kwargs.get("position_embeddings")
     return (narrow and position_embeddings is not None
             and position_embeddings[0].shape == (batch, tokens, parts.head_dim)

@@ -221,31 +221,38 @@ def test_a_fused_verification_or_dense_step_computes_what_the_model_s_layers_com
     assert torch.equal(got_idx, want_idx) and (mode == "decode") == bool((got_idx == -1).all())
 
 
-def test_wide_verifications_and_prefills_keep_the_model_s_layers(monkeypatch):
-    """A verification with more query rows per KV head than the attention kernels take (HF's assisted loop re-feeds
-    the prompt with its first one) and every prefill run the model's own layers."""
-    from hf_vegas import attention
+@pytest.mark.parametrize("limit", [None, "query_rows", "rows"])
+def test_verification_and_dense_steps_fuse_together_or_not_at_all(monkeypatch, limit):
+    """Whether a generation's verification and dense steps run fused is decided by its longest verification (gamma + 1
+    tokens per row): they round alike either way. Too many query rows per KV head for the attention kernels, or too
+    many rows for the fused kernels, and both keep the model's own layers while drafts stay fused; prefills never
+    fuse."""
+    from hf_vegas import fused_projections
 
-    monkeypatch.setattr(attention, "MAX_KERNEL_QUERY_ROWS", 4)
-    monkeypatch.setattr(draft_layers, "MAX_KERNEL_QUERY_ROWS", 4)
+    if limit == "query_rows":  # (4 query heads over 2 KV heads: 3 tokens are 6 query rows)
+        monkeypatch.setattr(draft_layers, "MAX_KERNEL_QUERY_ROWS", 5)
+    if limit == "rows":  # (2 rows x 3 tokens)
+        monkeypatch.setattr(fused_projections, "MAX_ROWS", 5)
     launches = []
     original = kernels.qkv_rope_write
     monkeypatch.setattr(kernels, "qkv_rope_write", lambda *args: launches.append(args[0].shape[1]) or original(*args))
-    model = tiny_model("llama").to(DEVICE)  # (4 query heads over 2 KV heads: 2 query rows per token)
+    model = tiny_model("llama").to(DEVICE)
     ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
     config = VegasConfig(gamma=2, sparsity=0.3, min_tokens=4, backend="triton", cuda_graphs=False)
     cache = VegasCache(model.config, 2, 40, config, device=DEVICE, backend="triton")
     runner = StepRunner(model, cache, LogitsProcessorList(), do_sample=False)
+    layers = model.config.num_hidden_layers
     with torch.no_grad(), vegas_attention(model), active_cache(cache), fused_draft_layers(model, cache):
         runner.prefill(ids, left_pad=(mask == 0).sum(dim=1))
         assert launches == []
         runner.arm_verification()
         runner.call_model(torch.tensor([[5, 9, 2], [7, 1, 3]], device=DEVICE), 3)
-        assert launches == [], "3 tokens x 2 query heads exceed 4 rows"
-        cache.plan.rollback(cache.plan.lengths - 3)
-        runner.arm_verification()
-        runner.call_model(torch.tensor([[5, 9], [7, 1]], device=DEVICE), 2)
-    assert launches == [2] * model.config.num_hidden_layers
+        cache.begin("decode")
+        runner.call_model(torch.tensor([[4], [6]], device=DEVICE), 1)
+        cache.begin("draft")
+        runner.call_model(torch.tensor([[8], [3]], device=DEVICE), 1)
+    fused_full = [3] * layers + [1] * layers if limit is None else []
+    assert launches == fused_full + [1] * layers
 
 
 def _draft_step(model, ids, mask, fused: bool, compile_with=None):

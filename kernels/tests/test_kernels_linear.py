@@ -180,7 +180,8 @@ def test_launch_settings_fit_in_shared_memory(kind, element_bytes, width):
         assert setting == {**tuned, "block_n": 16}, "bf16 q/k/v fit as tuned"
     if element_bytes == 4 and kind == "gated":
         assert setting["num_stages"] < tuned["num_stages"]
-    assert linear._setting(kind, 65, sizes, element_bytes, width)["block_n"] == _launch.LINEAR_TUNING["generic"][
+    wide = _launch.LINEAR_TUNED_ROWS + 1
+    assert linear._setting(kind, wide, sizes, element_bytes, width)["block_n"] == _launch.LINEAR_TUNING["generic"][
         "block_n"], "forwards of more than LINEAR_TUNED_ROWS rows keep the generic setting"
 
 
@@ -194,4 +195,4 @@ def test_a_small_single_weight_takes_its_own_setting():
     assert linear.tuning_kind("linear", 64, small + 1) == "linear"
     assert linear.tuning_kind("linear", 64, _launch.LINEAR_LARGE_WEIGHT_BYTES + 1) == "linear_large"
     assert linear.tuning_kind("gated", 64, small) == "gated" and linear.tuning_kind("qkv", 64, small) == "qkv"
-    assert linear.tuning_kind("linear", 65, small) == "generic"
+    assert linear.tuning_kind("linear", _launch.LINEAR_TUNED_ROWS + 1, small) == "generic"

@@ -121,7 +121,10 @@ LINEAR_TUNING = {
 # Shared memory a projection kernel's pipelined tiles may take (an H100 block has 227 KiB): fp32 inputs, or the two
 # tiles of the gated kernel, take fewer stages instead of failing to launch.
 LINEAR_SHARED_BYTES = 160 << 10
-LINEAR_TUNED_ROWS = 64
+# Forwards of up to this many rows take the tuned settings (above: "generic"). As many as the fused layers run
+# (`hf_vegas.fused_projections.MAX_ROWS`), so that a verification of 64 rows x 7 tokens runs the very kernels (the
+# same tiles, the same order of every sum) as the dense step of its 64 rows, and the two round alike.
+LINEAR_TUNED_ROWS = 512
 # Above this many weight bytes a launch of at most LINEAR_TUNED_ROWS rows takes its kind's "_large" setting (the same
 # line as hf_vegas.fused_projections.MAX_WEIGHT_BYTES, above which a draft's output and down projections take the
 # kernel: in those it runs the "linear_large" setting).
