@@ -17,7 +17,7 @@ from .attention import active_cache, vegas_attention
 from .cache import VegasCache
 from .candidate import VegasCandidateGenerator
 from .config import resolve_config
-from .draft_layers import in_draft_steps
+from .fused_layers import fused_steps
 from .ops import backend
 
 
@@ -72,7 +72,7 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
         active_cache(cache),
         compat.candidate_generator(model, drafter),
         placement.device_guard(input_ids.device),
-        in_draft_steps(model, cache, backend_name == "triton" and config.fuse_projections and not cache.spread),
+        fused_steps(model, cache, backend_name == "triton" and config.fuse_projections and not cache.spread),
         symmetric_all_reduce.symmetric_all_reduces(model, config.gamma + 1, input_ids.device, symmetric),
     ):
         return model.generate(

@@ -69,7 +69,7 @@ def attend(cache: VegasCache, module, query, key, value, scaling, sliding_window
     """The attention of `module`'s layer over `cache` after its keys and values are written: `query` `(B, Hq, T, D)`,
     `key` and `value` the `(B, Hkv, S, D)` views `VegasCache.update` returns. Per the cache's step plan: a sparse
     draft, or full attention and the selection it yields. Returns `(output (B, T, Hq, Dv), None)`; a fused layer
-    (`hf_vegas.draft_layers`) calls it for its verification and dense steps."""
+    (`hf_vegas.fused_layers`) calls it for its verification and dense steps."""
     # `sinks`: gpt-oss' learned attention sinks, one logit per query head in every softmax's denominator (every op
     # takes them).
     if scaling is None:

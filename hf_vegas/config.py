@@ -93,14 +93,18 @@ class VegasConfig:
             differently from eager ones in half precision (as any kernel change may); in fp32 the tokens match
             vanilla greedy (tested on the GPU).
         fuse_projections (`bool`, *optional*, defaults to `True`):
-            With the Triton backend, draft steps (of at most 512 rows) run each attention layer's q/k/v projections
-            as one kernel and each standard gated MLP's gate/up projections and activation as one kernel, for layers
-            with small weights (where this beats cuBLAS); layers with large weights (over 16 MiB) do so in draft
-            steps of at most 16 rows, where their output and down projections run the same kernel too (it reads
-            them faster than cuBLAS there; under tensor parallelism each rank's partial product, which transformers
-            then sums over the ranks as its own forward does). The verification and dense steps, which pick the
-            tokens, keep the model's own projections, so the output does not depend on this option. The weights stay
-            where they are; the model is restored when `generate` returns (see `hf_vegas.fused_projections`).
+            With the Triton backend, a decoder layer whose code is transformers' own Llama layer (or Qwen3's
+            attention) runs in five launches instead of ~15 (q/k/v + rotary + cache write, the attention, the output
+            projection + residual + norm, gate/up + activation, down + residual + norm): in draft steps, and in the
+            verification and dense steps when the longest verification fits the kernels (at most 512 rows, i.e.
+            batch x (gamma + 1); a few rows for weights over 16 MiB). Those steps pick the tokens, so they round as
+            these kernels do: the verification and the dense path (`vegas_gamma=0`) alike, and in half precision
+            otherwise than the model's own layers (on the CPU nothing is fused). Other layers run their q/k/v and
+            gate/up projections as one kernel each in draft steps only (layers with weights over 16 MiB: in draft
+            steps of at most 16 rows, their output and down projections through the same kernel; under tensor
+            parallelism each rank's partial product, which transformers then sums over the ranks). The weights stay
+            where they are; the model is restored when `generate` returns (see `hf_vegas.fused_layers` and
+            `hf_vegas.fused_projections`).
     """
 
     gamma: int | str = 6

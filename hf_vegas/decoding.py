@@ -25,7 +25,7 @@ from .attention import active_cache, vegas_attention
 from .backward_hooks import backward_hooks_set_aside
 from .config import VegasConfig, resolve_config
 from .cpu_linears import weights_left_linears
-from .draft_layers import in_draft_steps
+from .fused_layers import fused_steps
 from .rotary_tables import rotary_tables_once
 from .symmetric_all_reduce import symmetric_all_reduces
 from .ops import backend
@@ -137,7 +137,7 @@ def generate(
         logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
     )
     with (placement.device_guard(input_ids.device), pooled as (cache, step_graphs), vegas_attention(model),
-          active_cache(cache), in_draft_steps(model, cache, fusing) as fused_layers,
+          active_cache(cache), fused_steps(model, cache, fusing) as fused_layers,
           rotary_tables_once(model, enabled=config.compile,
                              skip=lambda: fused_layers > 0 and cache.plan.mode == "draft"),
           weights_left_linears(model, enabled=cache.eager_ops),

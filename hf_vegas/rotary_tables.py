@@ -14,7 +14,7 @@ to the model's dtype as before). That no rotation changes by a bit holds because
 eager does; without it the inlined tables stay fp32 and the rotations round otherwise (`tests/test_rotary_tables.py`
 compares with inductor where a C++ compiler is found). Eager forwards are left alone (there the module's outputs
 already are such tensors), and so are the draft steps of fused layers, which write their tables with the same op
-themselves (`draft_layers`: once per chain of fused layers). A module is changed by an
+themselves (`fused_layers`: once per chain of fused layers). A module is changed by an
 instance-level `forward` attribute that calls the one it had (the class's, or an instance attribute of its own, such
 as accelerate's hooks), which is put back when the block exits, also on an exception.
 """

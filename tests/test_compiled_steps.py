@@ -19,7 +19,7 @@ import hf_vegas.cache
 from hf_vegas.attention import active_cache, vegas_attention
 from hf_vegas.cache import VegasCache
 from hf_vegas.config import VegasConfig
-from hf_vegas.draft_layers import in_draft_steps
+from hf_vegas.fused_layers import fused_steps
 from hf_vegas.rotary_tables import rotary_tables_once
 from hf_vegas.runner import StepRunner
 
@@ -44,7 +44,7 @@ def _iterations(model, ids, backend: str, policy: str, compiled: bool, iteration
         runner.call_model = call_model
     seen = []
     with (vegas_attention(model), active_cache(cache),
-          in_draft_steps(model, cache, enabled=backend == "triton") as fused,
+          fused_steps(model, cache, enabled=backend == "triton") as fused,
           rotary_tables_once(model, skip=lambda: fused > 0 and cache.plan.mode == "draft")):
         pending = runner.prefill(ids)[:, -1].argmax(-1)
         for _ in range(iterations):

@@ -112,7 +112,7 @@ def test_only_draft_steps_use_the_fused_kernels(monkeypatch, large):
         monkeypatch.setattr(kernels, name, lambda *args, name=name, original=original: modes[name].append(
             _ACTIVE.cache.plan.mode) or original(*args))
     # (Mistral: its attention's code is not Llama's or Qwen3's, so its draft layers keep their forward and the
-    # projections take the fused kernels; Llama's and Qwen3's draft layers run `draft_layers`' launches instead.)
+    # projections take the fused kernels; Llama's and Qwen3's draft layers run `fused_layers`' launches instead.)
     model, (ids, mask) = tiny_model("mistral").to(DEVICE), (t.to(DEVICE) for t in ragged_batch([30, 21]))
     common = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, custom_generate="vegas",
                   vegas_backend="triton", vegas_cuda_graphs=False)

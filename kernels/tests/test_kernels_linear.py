@@ -184,15 +184,3 @@ def test_launch_settings_fit_in_shared_memory(kind, element_bytes, width):
     assert linear._setting(kind, wide, sizes, element_bytes, width)["block_n"] == _launch.LINEAR_TUNING["generic"][
         "block_n"], "forwards of more than LINEAR_TUNED_ROWS rows keep the generic setting"
 
-
-def test_a_small_single_weight_takes_its_own_setting():
-    """A single weight of at most `LINEAR_SMALL_WEIGHT_BYTES` (an output projection of a small model) has its own
-    entry, tuned apart from larger single weights; gate/up and q/k/v launches and wide forwards do not take it."""
-    from hf_vegas_kernels import _launch, linear
-
-    small = _launch.LINEAR_SMALL_WEIGHT_BYTES
-    assert linear.tuning_kind("linear", 64, small) == "linear_small"
-    assert linear.tuning_kind("linear", 64, small + 1) == "linear"
-    assert linear.tuning_kind("linear", 64, _launch.LINEAR_LARGE_WEIGHT_BYTES + 1) == "linear_large"
-    assert linear.tuning_kind("gated", 64, small) == "gated" and linear.tuning_kind("qkv", 64, small) == "qkv"
-    assert linear.tuning_kind("linear", _launch.LINEAR_TUNED_ROWS + 1, small) == "generic"

@@ -5,7 +5,7 @@ it. So here they are compiled ahead of time for compute capability 9.0 with Trit
 for what the launch protocol promises: the projections' weight prefetches before the wait, no load from memory before
 it, and the next kernel released right after the wait (early) or after the main loop (late); the kernels without
 that option (the score finalisation, the top-k selection) load nothing before their wait and release right after it.
-The GPU tests run the same variants against the naive ops (`tests/test_draft_layers.py`, and every kernel test on a
+The GPU tests run the same variants against the naive ops (`tests/test_fused_layers.py`, and every kernel test on a
 GPU, where they are the default).
 """
 

@@ -83,24 +83,20 @@ TUNING = {
 # the combine launch (parallel over query rows, vectorised over splits) is used instead.
 FUSED_COMBINE_MAX_SPLITS = 8
 
-# Launch parameters of the projection kernels (`linear.py`) per op, for forwards of at most 64 rows (a draft step of
-# up to 64 sequences); larger forwards keep the generic setting. `block_n` is the widest column block tried: a
-# segment that it does not divide gets the next smaller one. Chosen on an H100 with `benchmarks/projections.py
-# --sweep` (records in benchmarks/results/projections_sweep.jsonl): narrow column blocks give SmolLM2's small
-# weights enough programs (q/k/v 3.5 us and gate/up 5.5 us at 64 rows, from 5.4 and 9.3 with 64-column blocks).
-# The benchmark overrides them to sweep. Splitting K over more programs (the last of a tile's programs summing the
-# fp32 partials) was slower at every split tried (commit 18d867f, whose `projections.py --sweep --grid` took
-# `split_k_len=0,192,384,768`; H100, 64 rows: down 3.84 us unsplit against 4.2-5.9 split, output 2.52 against
-# 3.5-4.8, gate/up 3.39 against 5.4-8.5): the merge's serial tail costs more than the narrower slices save. It was
-# dropped.
+# Launch parameters of the projection kernels (`linear.py`) per op, for forwards of at most LINEAR_TUNED_ROWS rows
+# (tuned at 64: a draft or dense step of 64 sequences); larger forwards keep the generic setting. `block_n` is the
+# widest column block tried: a segment that it does not divide gets the next smaller one. Chosen on an H100 with
+# `benchmarks/projections.py --sweep` (records in benchmarks/results/projections_sweep.jsonl): narrow column blocks
+# give SmolLM2's small weights enough programs (q/k/v 3.5 us and gate/up 5.5 us at 64 rows, from 5.4 and 9.3 with
+# 64-column blocks). The benchmark overrides them to sweep. Splitting K over more programs (the last of a tile's
+# programs summing the fp32 partials) was slower at every split tried (commit 18d867f, whose `projections.py --sweep
+# --grid` took `split_k_len=0,192,384,768`; H100, 64 rows: down 3.84 us unsplit against 4.2-5.9 split, output 2.52
+# against 3.5-4.8, gate/up 3.39 against 5.4-8.5): the merge's serial tail costs more than the narrower slices save. It
+# was dropped.
 LINEAR_TUNING = {
     "qkv": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
     "gated": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
     "linear": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
-    # A single weight of at most LINEAR_SMALL_WEIGHT_BYTES (SmolLM2's output projection, 0.66 MB): its own entry, so
-    # that it can be tuned apart from the larger down projection (`benchmarks/experiments` on the branch
-    # experiment/persistent-mlp: `chain_sweep.py` times the whole fused draft layer per setting).
-    "linear_small": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
     "generic": {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3},
     # Weights of more than LINEAR_LARGE_WEIGHT_BYTES (a launch's, gate and up together) are read for their bytes, not
     # their launch: wider column blocks and longer K steps stream them faster. Qwen3-8B's at 16 rows (H200, commit
@@ -129,8 +125,6 @@ LINEAR_TUNED_ROWS = 512
 # line as hf_vegas.fused_projections.MAX_WEIGHT_BYTES, above which a draft's output and down projections take the
 # kernel: in those it runs the "linear_large" setting).
 LINEAR_LARGE_WEIGHT_BYTES = 16 << 20
-# At most this many weight bytes, a "linear" launch of at most LINEAR_TUNED_ROWS rows takes "linear_small".
-LINEAR_SMALL_WEIGHT_BYTES = 1 << 20
 
 # Warps per program of the in-register top-k selection (`select.py`, one program per (layer, row)); 0: 4 for rows of
 # at most 8K slots, 16 up to 16K, 32 beyond. At SmolLM2 batch 64 x 7.5K on an H100 (`kernel_bandwidth.py --tuning`,

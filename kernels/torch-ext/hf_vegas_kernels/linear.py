@@ -11,7 +11,7 @@ weights is made, so the model is untouched and no memory is added):
   `torch.addmm(residual, ...)` is a copy of the residual, then the GEMM: two launches);
 - `linear_residual_norm(x, w, residual, norm_weight)`: the same, and for the RMSNorm after it `h * norm_weight` and
   per-block sums of squares of `h`, which `gated_linear` / `qkv_rope.qkv_rope_write` turn into the norm's row
-  factor (`row_sumsq`): a fused draft layer's norms need no launch of their own (`hf_vegas.draft_layers`).
+  factor (`row_sumsq`): a fused draft layer's norms need no launch of their own (`hf_vegas.fused_layers`).
 
 A program owns `BLOCK_M` rows and `BLOCK_N` output columns that all lie in one weight (segment sizes are multiples
 of `BLOCK_N`), and accumulates in fp32. Block sizes, warps and stages per op: `_launch.LINEAR_TUNING`.
@@ -149,9 +149,7 @@ def tuning_kind(kind: str, rows: int, weight_bytes: int) -> str:
     `weight_bytes` of weights (all of the launch's) takes."""
     if rows > _launch.LINEAR_TUNED_ROWS:
         return "generic"
-    if weight_bytes > _launch.LINEAR_LARGE_WEIGHT_BYTES:
-        return f"{kind}_large"
-    return "linear_small" if kind == "linear" and weight_bytes <= _launch.LINEAR_SMALL_WEIGHT_BYTES else kind
+    return f"{kind}_large" if weight_bytes > _launch.LINEAR_LARGE_WEIGHT_BYTES else kind
 
 
 def _setting(kind: str, rows: int, sizes: list[int], element_bytes: int, k: int) -> dict:

@@ -1,4 +1,4 @@
-"""A fused draft layer's q/k/v projection, rotary embedding and cache write in one launch (`hf_vegas.draft_layers`),
+"""A fused draft layer's q/k/v projection, rotary embedding and cache write in one launch (`hf_vegas.fused_layers`),
 and for weights too large for that launch the same after a projection of its own.
 
 Separately these were two launches per layer (`linear_ops.qkv_linear`, then a rotary + cache-write kernel): 5.9 us at a
@@ -11,7 +11,7 @@ cache slots.
 
 A program per head and row block is few programs for large weights: Qwen3-8B's 48 heads at 16 rows would each stream
 1 MB of weights, on 48 of an H200's 132 SMs. There the projection runs as `linear_ops.qkv_linear` (192 column blocks)
-and `rope_write_kv` does the rest, one program per head and row block reading the product (`hf_vegas.draft_layers`
+and `rope_write_kv` does the rest, one program per head and row block reading the product (`hf_vegas.fused_layers`
 picks by the weights' size).
 
 The projection is never rounded before the rotation in the one launch (the model rounds it once to its dtype, and

@@ -38,15 +38,21 @@ and writes after it: six kernels. (The model's own compiled forward of a Qwen3-8
 projections, the attention and five small kernels of about 15 us together at 16 x 32K on an H200,
 `benchmarks/RESULTS.md`.)
 
-The same launches run the narrow verification and dense steps (`FULL_STEPS`: at most `attention.MAX_KERNEL_QUERY_ROWS`
-query rows per KV head, e.g. SmolLM2's 7 tokens x 3 query heads), with the attention the model's own layer would call
-(`attention.attend`: full attention and the selection it yields) in place of the sparse draft attention. The model's
-own compiled forward runs ~15 launches per layer there (H100: 456 kernels in a SmolLM2 dense step of 30 layers,
-`benchmarks/profile_forward.py`). These steps pick the tokens, so their rounding is the kernels' (fp32 accumulation,
-like cuBLAS, in another order, and the norms folded as above) rather than the model's: the verification and our dense
-path (`gamma=0`) round alike, which `benchmarks/throughput.py` checks (`agreement_with_dense`); on the CPU, in fp32,
-the tokens stay vanilla's (the plain-PyTorch backend runs no fused layer). `fuse_projections=False` keeps the model's
-own layers in every step. Drafts only decide how many tokens are accepted, never which.
+The same launches run the verification and dense steps (`FULL_STEPS`), with the attention the model's own layer
+would call (`attention.attend`: full attention and the selection it yields) in place of the sparse draft attention.
+The model's own compiled forward runs ~15 launches per layer there (H100: 456 kernels in a SmolLM2 dense step of 30
+layers, `benchmarks/profile_forward.py`); fused, a SmolLM2 dense step at 64 x 7.5K took 3.77 ms against 4.20 and a
+verification 5.97 against 6.10 (H200, `benchmarks/RESULTS.md`). These steps pick the tokens, so they round as the
+kernels do (fp32 sums, like cuBLAS', in another order; the norms folded as above), not as the model's layers: in
+half precision on the GPU the tokens may differ from vanilla's as a kernel change may (in fp32 on the CPU, where
+the plain-PyTorch backend runs no fused layer, they are vanilla's). What must hold is that the verification and our
+dense path (`gamma=0`) round alike, since `gamma="auto"` moves between them within a generation and the benchmark
+compares them (`agreement_with_dense`): so both fuse or neither, as the generation's longest verification
+(`max_gamma + 1` tokens per row) decides, and the projections take their tuned settings up to 512 rows
+(`_launch.LINEAR_TUNED_ROWS`): a verification of 64 x 7 rows runs the very tiles of the dense step's 64, in the same
+order. (With the generic settings above 64 rows, the norms' partial sums over other column blocks, 20 of 64 greedy
+rows matched the dense path; with the same settings, 64 of 64.) `fuse_projections=False` keeps the model's own layers
+in every step. Drafts only decide how many tokens are accepted, never which.
 
 Which layers: the decoder layer, its attention and its norms run exactly the code of transformers' own Llama classes
 (compared as source text against the installed release, so a model whose code differs in anything, a bias on the
@@ -61,148 +67,20 @@ the model's own forward. Instance `forward` attributes are removed when the bloc
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import inspect
-import sys
 
 import torch
 
-from .fused_projections import _gated_mlp_activation, _large, _max_rows, _plain_linears, fused_projections
 from ._compat import internals as compat
 from .attention import MAX_KERNEL_QUERY_ROWS, attend
-from .ops import backend
+from .fused_layer_parts import LayerParts, layer_parts, link_norms
+from .fused_projections import fused_projections
 from .rotary_tables import rotary_tables
-
 
 # The steps besides drafts whose narrow forwards the fused layers run (`StepPlan.MODES`: "decode" is a dense step).
 FULL_STEPS = ("verify", "decode")
 
 
-@functools.lru_cache(maxsize=256)  # asked for every layer of every generate call: read each function's file once
-def _source(function) -> str | None:
-    try:
-        return "".join(inspect.getsource(function).split())
-    except (OSError, TypeError):
-        return None
-
-
-@functools.cache
-def _llama_sources() -> dict[str, str | None]:
-    """The code a layer must run to be fused: transformers' own Llama classes, as the installed release has them."""
-    from transformers.models.llama import modeling_llama as llama
-
-    return {
-        "layer": _source(llama.LlamaDecoderLayer.forward), "attention": _source(llama.LlamaAttention.forward),
-        "norm": _source(llama.LlamaRMSNorm.forward), "rotary": _source(llama.apply_rotary_pos_emb),
-        "rotate_half": _source(llama.rotate_half),
-    }
-
-
-@functools.cache
-def _head_norm_attention_source() -> str | None:
-    """Qwen3's attention: Llama's, with `q_norm` and `k_norm` over each head before the rotation."""
-    try:
-        from transformers.models.qwen3 import modeling_qwen3
-    except ImportError:  # (a release without Qwen3: no attention of its kind to fuse)
-        return None
-    return _source(modeling_qwen3.Qwen3Attention.forward)
-
-
-@dataclasses.dataclass
-class _Parts:
-    """What a fused draft layer reads: the layer's own parameters (never copies) and its head layout."""
-
-    layer_idx: int
-    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    norm_in: torch.Tensor
-    eps_in: float
-    o_weight: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
-    act: str
-    norm_post: torch.Tensor
-    eps_post: float
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    scaling: float
-    head_norms: tuple[torch.Tensor, torch.Tensor, float] | None  # Qwen3's q_norm and k_norm weights, their eps
-    split_qkv: bool  # weights too large for a program per head: `qkv_linear`, then `rope_write_kv`
-    max_rows: int  # the largest draft forward the fused kernels pay for (`fused_projections._max_rows`)
-    fold_norms: bool  # the norms ride in the projections (else: launches of their own)
-    attention: torch.nn.Module  # the layer's attention module, for the attention dispatch of verification/dense steps
-    next_norm: tuple[torch.Tensor, float] | None = None  # the next fused layer's input norm (weight, eps)
-    hands_on: bool = False  # the next layer is fused too: it gets the rotary tables (and `next_norm`'s input)
-
-
-def layer_parts(layer) -> _Parts | None:
-    """The parts of `layer` if it can run as a fused draft layer, else None (it keeps its own forward)."""
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-    if attn is None or mlp is None or None in norms or getattr(attn, "layer_idx", None) is None:
-        return None
-    sources = _llama_sources()
-    module = sys.modules.get(type(attn).__module__)
-    attention = _source(type(attn).forward)
-    head_norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
-    if attention is not None and attention == sources["attention"]:
-        head_norms = ()  # Llama's attention: no head norms
-    elif (attention is None or attention != _head_norm_attention_source() or None in head_norms
-          or any(_source(type(n).forward) != sources["norm"] for n in head_norms)):
-        return None
-    if (_source(type(layer).forward) != sources["layer"]
-            or _source(getattr(module, "apply_rotary_pos_emb", None)) != sources["rotary"]
-            or _source(getattr(module, "rotate_half", None)) != sources["rotate_half"]
-            or any(_source(type(norm).forward) != sources["norm"] for norm in norms)):
-        return None
-    if any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m)
-           for m in (layer, attn, mlp, *norms, *head_norms)):
-        return None
-    q, k, v, o = (getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    act = _gated_mlp_activation(mlp)
-    if act is None or not _plain_linears(q, k, v, mlp.gate_proj, mlp.up_proj):
-        return None
-    if len({p.bias is None for p in (q, k, v)}) != 1:
-        return None
-    if not (_plain_linears(o) and _plain_linears(mlp.down_proj)) or o.bias is not None:
-        return None
-    if mlp.down_proj.bias is not None:
-        return None
-    head_dim = getattr(attn, "head_dim", None)
-    if not head_dim or head_dim % 2 or q.out_features % head_dim or v.out_features != k.out_features:
-        return None
-    if k.out_features % head_dim or o.in_features != q.out_features:
-        return None
-    if head_norms and (any(norm.weight.shape != (head_dim,) for norm in head_norms)
-                       or head_norms[0].variance_epsilon != head_norms[1].variance_epsilon):
-        return None
-    weights = (q.weight, o.weight, mlp.gate_proj.weight, mlp.down_proj.weight,
-               *(norm.weight for norm in (*norms, *head_norms)))
-    if len({t.dtype for t in weights}) != 1:
-        return None
-    linear = backend.kernels().linear  # (q/k/v run in `qkv_rope_write`, which takes any even head_dim)
-    # (large weights whose sizes share no block of 16 for `qkv_linear` keep the one launch: slower, not wrong)
-    split_qkv = _large(q.weight, k.weight, v.weight) and linear.block_n_for(q.out_features, k.out_features) is not None
-    if linear.block_n_for(mlp.gate_proj.out_features) is None:
-        return None
-    return _Parts(
-        layer_idx=attn.layer_idx, qkv=(q.weight, k.weight, v.weight),
-        qkv_bias=None if q.bias is None else (q.bias, k.bias, v.bias), norm_in=norms[0].weight,
-        eps_in=norms[0].variance_epsilon, o_weight=o.weight, gate=mlp.gate_proj.weight, up=mlp.up_proj.weight,
-        down=mlp.down_proj.weight, act=act, norm_post=norms[1].weight, eps_post=norms[1].variance_epsilon,
-        q_heads=q.out_features // head_dim, kv_heads=k.out_features // head_dim, head_dim=head_dim,
-        scaling=attn.scaling, split_qkv=split_qkv,
-        head_norms=(*(norm.weight for norm in head_norms), head_norms[0].variance_epsilon) if head_norms else None,
-        max_rows=min(_max_rows(q.weight, k.weight, v.weight), _max_rows(mlp.gate_proj.weight, mlp.up_proj.weight)),
-        fold_norms=q.weight.dtype != torch.float16 and linear.block_n_for(o.out_features) is not None,
-        attention=attn,
-    )
-
-
-def _applies(parts: _Parts, cache, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+def _applies(parts: LayerParts, cache, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> bool:
     """Whether this forward is a step the fused layer runs: a one-token sparse draft, or a verification or dense
     step narrow enough for the attention kernels (`attention.MAX_KERNEL_QUERY_ROWS` query rows per KV head), of at
     most `parts.max_rows` rows, in the weights' dtype, without autocast, with per-token rotary factors over the whole
@@ -225,7 +103,7 @@ def _applies(parts: _Parts, cache, hidden_states: torch.Tensor, args: tuple, kwa
             and not torch.is_autocast_enabled(hidden_states.device.type))
 
 
-def _fused_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_embeddings,
+def _fused_forward(parts: LayerParts, cache, hidden_states: torch.Tensor, position_embeddings,
                    carry: dict) -> torch.Tensor:
     kernels = cache.ops  # the Triton backend's: fused layers run on no other
     batch, tokens, hidden = hidden_states.shape
@@ -271,7 +149,7 @@ def _fused_forward(parts: _Parts, cache, hidden_states: torch.Tensor, position_e
         x = kernels.linear_residual_op(attn, parts.o_weight, x)
         gated = kernels.gated_linear_op(kernels.rms_norm(x, parts.norm_post, parts.eps_post), parts.gate, parts.up,
                                         parts.act)
-    if parts.next_norm is None:  # (always, without fold_norms: `_link_norms`)
+    if parts.next_norm is None:  # (always, without fold_norms: `link_norms`)
         out, scaled, sums = kernels.linear_residual_op(gated, parts.down, x).view(batch, tokens, hidden), None, None
     else:
         out, scaled, sums = kernels.linear_residual_norm(gated, parts.down, x, parts.next_norm[0])
@@ -291,26 +169,14 @@ def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return rotary_tables(cos, sin)
 
 
-def _link_norms(decoder, parts: dict) -> None:
-    """Each fused layer of `decoder.layers` whose successor is fused too hands it the rotary tables, and where both
-    fold their norms writes that layer's norm input."""
-    layers = list(getattr(decoder, "layers", []))
-    for layer, following in zip(layers, layers[1:]):
-        if layer in parts and following in parts and parts[following].layer_idx == parts[layer].layer_idx + 1:
-            folding = parts[layer].fold_norms and parts[following].fold_norms
-            parts[layer] = dataclasses.replace(
-                parts[layer], hands_on=True,
-                next_norm=(parts[following].norm_in, parts[following].eps_in) if folding else None)
-
-
 @contextlib.contextmanager
-def fused_draft_layers(model, cache):
+def fused_layers(model, cache):
     """Inside the block, the decoder layers of `model` that `layer_parts` accepts run their draft steps, and their
     narrow verification and dense steps, over `cache` as fused launches (Triton backend); every other forward runs as
     before. Yields the number of layers fused."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     all_parts = {layer: parts for layer in decoder.modules() if (parts := layer_parts(layer)) is not None}
-    _link_norms(decoder, all_parts)
+    link_norms(decoder, all_parts)
     carry = {}  # a norm input (and the rotary tables) one fused layer hands the next, by the next one's index
     patched = []
     try:
@@ -333,7 +199,7 @@ def fused_draft_layers(model, cache):
 
 
 @contextlib.contextmanager
-def in_draft_steps(model, cache, enabled: bool):
+def fused_steps(model, cache, enabled: bool):
     """The fused layers (for draft steps and narrow verification and dense steps), and the one-launch projections of
     the layers they do not cover (`fused_projections`, in draft steps only: elsewhere those layers keep the model's
     own projections); a no-op context when not `enabled`. Yields the number of layers fused."""
@@ -342,6 +208,6 @@ def in_draft_steps(model, cache, enabled: bool):
         return
     # A fused layer calls the sparse kernel itself: it would skip a policy that chooses in the attention function.
     layers = (contextlib.nullcontext(0) if cache.selection.policy.selects_while_drafting
-              else fused_draft_layers(model, cache))
+              else fused_layers(model, cache))
     with layers as fused, fused_projections(model, active=lambda: cache.plan.mode == "draft"):
         yield fused

@@ -1,4 +1,4 @@
-"""Fused draft layers: which layers fuse, the same draft step as the model's own layers, and generation that stays
+"""Fused layers: which layers fuse, the same draft step as the model's own layers, and generation that stays
 vanilla's. Their kernels' own tests: `kernels/tests/test_kernels_norm_rope.py` and `test_kernels_linear.py`."""
 
 import contextlib
@@ -12,8 +12,9 @@ import hf_vegas
 from hf_vegas.attention import active_cache, vegas_attention
 from hf_vegas.cache import VegasCache
 from hf_vegas.config import VegasConfig
-from hf_vegas import draft_layers
-from hf_vegas.draft_layers import fused_draft_layers, in_draft_steps, layer_parts
+from hf_vegas import fused_layers as fused_module
+from hf_vegas.fused_layers import fused_layers, fused_steps
+from hf_vegas.fused_layer_parts import layer_parts
 from hf_vegas.runner import StepRunner
 from kernel_cases import DEVICE, NAN, assert_fp32_close, import_kernels
 from tiny_models import ragged_batch, tiny_model
@@ -39,7 +40,7 @@ def _random_norms(model):
 def test_llama_and_qwen3_layers_fuse_and_the_others_keep_their_forward():
     for arch in ("llama", "qwen3"):
         model = tiny_model(arch)
-        with fused_draft_layers(model, cache=None) as fused:
+        with fused_layers(model, cache=None) as fused:
             assert fused == model.config.num_hidden_layers, arch
             assert all("forward" in vars(layer) for layer in model.model.layers)
         assert not any("forward" in vars(m) for m in model.modules()), "every instance forward must be removed"
@@ -47,7 +48,7 @@ def test_llama_and_qwen3_layers_fuse_and_the_others_keep_their_forward():
     assert layer_parts(tiny_model("qwen3").model.layers[0]).head_norms is not None
     # A sliding-window argument (Mistral), latent attention: other code, their own forward.
     for arch in ("mistral", "deepseek_v3"):
-        with fused_draft_layers(tiny_model(arch), cache=None) as fused:
+        with fused_layers(tiny_model(arch), cache=None) as fused:
             assert fused == 0, arch
     # Qwen3's head norms must be plain norms with one eps
     qwen3 = tiny_model("qwen3")
@@ -121,7 +122,7 @@ def test_layers_with_large_weights_fuse_only_the_fewest_rows(monkeypatch):
 def test_the_model_is_restored_after_an_exception():
     model = tiny_model("llama")
     with pytest.raises(RuntimeError, match="inside"):
-        with fused_draft_layers(model, cache=None):
+        with fused_layers(model, cache=None):
             raise RuntimeError("inside")
     assert not any("forward" in vars(m) for m in model.modules())
 
@@ -159,7 +160,7 @@ def test_a_fused_draft_step_computes_what_the_model_s_layers_compute(monkeypatch
             rows = torch.arange(2, device=DEVICE)
             layer.keys[rows, committed] = NAN
             layer.values[rows, committed] = NAN
-        with fused_draft_layers(model, cache) as fused:
+        with fused_layers(model, cache) as fused:
             assert fused == model.config.num_hidden_layers
             cache.begin("draft")
             got = runner.call_model(token[:, None], 1)
@@ -208,7 +209,7 @@ def test_a_fused_verification_or_dense_step_computes_what_the_model_s_layers_com
         for layer in cache.layers:  # the fused step must write the slots itself
             layer.keys[rows, slots] = NAN
             layer.values[rows, slots] = NAN
-        with fused_draft_layers(model, cache) as fused:
+        with fused_layers(model, cache) as fused:
             assert fused == model.config.num_hidden_layers
             got, got_idx, got_count = step()
     assert launches == [tokens.shape[1]] * model.config.num_hidden_layers
@@ -230,7 +231,7 @@ def test_verification_and_dense_steps_fuse_together_or_not_at_all(monkeypatch, l
     from hf_vegas import fused_projections
 
     if limit == "query_rows":  # (4 query heads over 2 KV heads: 3 tokens are 6 query rows)
-        monkeypatch.setattr(draft_layers, "MAX_KERNEL_QUERY_ROWS", 5)
+        monkeypatch.setattr(fused_module, "MAX_KERNEL_QUERY_ROWS", 5)
     if limit == "rows":  # (2 rows x 3 tokens)
         monkeypatch.setattr(fused_projections, "MAX_ROWS", 5)
     launches = []
@@ -242,7 +243,7 @@ def test_verification_and_dense_steps_fuse_together_or_not_at_all(monkeypatch, l
     cache = VegasCache(model.config, 2, 40, config, device=DEVICE, backend="triton")
     runner = StepRunner(model, cache, LogitsProcessorList(), do_sample=False)
     layers = model.config.num_hidden_layers
-    with torch.no_grad(), vegas_attention(model), active_cache(cache), fused_draft_layers(model, cache):
+    with torch.no_grad(), vegas_attention(model), active_cache(cache), fused_layers(model, cache):
         runner.prefill(ids, left_pad=(mask == 0).sum(dim=1))
         assert launches == []
         runner.arm_verification()
@@ -264,7 +265,7 @@ def _draft_step(model, ids, mask, fused: bool, compile_with=None):
     token = torch.arange(5, 5 + ids.shape[0], device=DEVICE)
     with torch.no_grad(), vegas_attention(model), active_cache(cache):
         runner.prefill(ids, left_pad=(mask == 0).sum(dim=1))
-        with fused_draft_layers(model, cache) if fused else contextlib.nullcontext():
+        with fused_layers(model, cache) if fused else contextlib.nullcontext():
             cache.begin("draft")
             if compile_with is None:
                 return runner.call_model(token[:, None], 1)
@@ -280,9 +281,9 @@ def test_each_layer_hands_the_next_its_norm_input(monkeypatch):
     ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
     want = _draft_step(model, ids, mask, fused=False)
     norms, tables = [], []
-    original, original_tables = kernels.rms_norm, draft_layers._rope_tables
+    original, original_tables = kernels.rms_norm, fused_module._rope_tables
     monkeypatch.setattr(kernels, "rms_norm", lambda *args: norms.append(1) or original(*args))
-    monkeypatch.setattr(draft_layers, "_rope_tables", lambda *args: tables.append(1) or original_tables(*args))
+    monkeypatch.setattr(fused_module, "_rope_tables", lambda *args: tables.append(1) or original_tables(*args))
     assert_fp32_close(_draft_step(model, ids, mask, fused=True), want)
     assert len(norms) == 1, "the first layer's input norm only"
     assert len(tables) == 1, "the first layer's tables only"
@@ -301,8 +302,8 @@ def test_each_layer_hands_the_next_its_norm_input(monkeypatch):
 
     # Hidden states that are not the tensor the layer before returned (as a decoder that changes them between layers
     # would pass): every layer normalises its own input again, and the step still computes the model's.
-    fused_forward = draft_layers._fused_forward
-    monkeypatch.setattr(draft_layers, "_fused_forward", lambda *args: fused_forward(*args).clone())
+    fused_forward = fused_module._fused_forward
+    monkeypatch.setattr(fused_module, "_fused_forward", lambda *args: fused_forward(*args).clone())
     norms.clear()
     tables.clear()
     monkeypatch.setattr(kernels, "rms_norm", lambda *args: norms.append(1) or original(*args))
@@ -317,7 +318,7 @@ def test_a_layer_given_other_rotary_tables_than_its_predecessor_uses_its_own(mon
     model = _random_norms(tiny_model("llama")).to(DEVICE)
     assert model.config.num_hidden_layers >= 2
     ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
-    fused_forward = draft_layers._fused_forward
+    fused_forward = fused_module._fused_forward
 
     def with_tables(shift: bool, handed: bool):
         def forward(parts, cache, hidden_states, position_embeddings, carry):
@@ -328,7 +329,7 @@ def test_a_layer_given_other_rotary_tables_than_its_predecessor_uses_its_own(mon
                     hidden_states = hidden_states.clone()
             return fused_forward(parts, cache, hidden_states, position_embeddings, carry)
 
-        monkeypatch.setattr(draft_layers, "_fused_forward", forward)
+        monkeypatch.setattr(fused_module, "_fused_forward", forward)
         return _draft_step(model, ids, mask, fused=True)
 
     unshifted, shifted = with_tables(shift=False, handed=True), with_tables(shift=True, handed=True)
@@ -341,7 +342,7 @@ def test_a_chain_whose_layers_fold_their_norms_or_not_hands_each_what_it_can_tak
     factors of its own last norm): the step is still the model's."""
     model = _random_norms(tiny_model("llama")).to(DEVICE)
     ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
-    standard = draft_layers.layer_parts
+    standard = fused_module.layer_parts
 
     def second_keeps_its_norms(layer):
         parts = standard(layer)
@@ -349,7 +350,7 @@ def test_a_chain_whose_layers_fold_their_norms_or_not_hands_each_what_it_can_tak
             parts = dataclasses.replace(parts, fold_norms=False)
         return parts
 
-    monkeypatch.setattr(draft_layers, "layer_parts", second_keeps_its_norms)
+    monkeypatch.setattr(fused_module, "layer_parts", second_keeps_its_norms)
     norms = []
     original = kernels.rms_norm
     monkeypatch.setattr(kernels, "rms_norm", lambda *args: norms.append(1) or original(*args))
@@ -373,9 +374,9 @@ def test_norms_stay_launches_in_fp16_and_at_widths_no_block_divides(monkeypatch)
     assert layer_parts(tiny_model("llama").bfloat16().model.layers[0]).fold_norms
     ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
     norms, tables = [], []
-    original, original_tables = kernels.rms_norm, draft_layers._rope_tables
+    original, original_tables = kernels.rms_norm, fused_module._rope_tables
     monkeypatch.setattr(kernels, "rms_norm", lambda *args: norms.append(1) or original(*args))
-    monkeypatch.setattr(draft_layers, "_rope_tables", lambda *args: tables.append(1) or original_tables(*args))
+    monkeypatch.setattr(fused_module, "_rope_tables", lambda *args: tables.append(1) or original_tables(*args))
     assert_fp32_close(_draft_step(wide, ids, mask, fused=True), _draft_step(wide, ids, mask, fused=False))
     assert len(norms) == 2 * config.num_hidden_layers
     assert len(tables) == 1, "the rotary tables are handed on all the same"
@@ -410,13 +411,13 @@ def test_generation_with_fused_draft_layers_accepts_what_the_model_s_layers_acce
     assert not any("forward" in vars(m) for m in model.modules())
 
 
-def test_the_oracle_policy_keeps_the_models_layers_in_draft_steps():
+def test_the_oracle_policy_keeps_the_models_layers_fused_steps():
     """A fused layer calls the sparse kernel itself, past the attention function where the oracle chooses each draft
     step's slots: with that policy the layers keep their forward (the projections may still fuse)."""
     model = tiny_model("llama")
     for policy, patched in (("vegas", True), ("oracle", False)):
         cache = VegasCache(model.config, 1, 40, VegasConfig(policy=policy), device="cpu")
-        with in_draft_steps(model, cache, enabled=True):
+        with fused_steps(model, cache, enabled=True):
             layers = model.model.layers
             assert all(("forward" in layer.__dict__) == patched for layer in layers), policy
         assert not any("forward" in layer.__dict__ for layer in model.model.layers)

@@ -1,0 +1,155 @@
+"""Which decoder layers run as fused layers (`hf_vegas.fused_layers`), and what they read: `layer_parts(layer)`.
+
+A layer qualifies when its decoder layer, attention and norms run exactly the code of transformers' own Llama classes
+(compared as source text against the installed release: a model whose code differs in anything, a bias on the
+output projection, a soft cap, another rotary convention, keeps its own forward), or Qwen3's attention (Llama's with
+RMSNorms over each query and key head), with plain `nn.Linear` projections and no hooks. The parts are the layer's own
+parameters, never copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import sys
+
+import torch
+
+from .fused_projections import _gated_mlp_activation, _large, _max_rows, _plain_linears
+from .ops import backend
+
+
+@functools.lru_cache(maxsize=256)  # asked for every layer of every generate call: read each function's file once
+def _source(function) -> str | None:
+    try:
+        return "".join(inspect.getsource(function).split())
+    except (OSError, TypeError):
+        return None
+
+
+@functools.cache
+def _llama_sources() -> dict[str, str | None]:
+    """The code a layer must run to be fused: transformers' own Llama classes, as the installed release has them."""
+    from transformers.models.llama import modeling_llama as llama
+
+    return {
+        "layer": _source(llama.LlamaDecoderLayer.forward), "attention": _source(llama.LlamaAttention.forward),
+        "norm": _source(llama.LlamaRMSNorm.forward), "rotary": _source(llama.apply_rotary_pos_emb),
+        "rotate_half": _source(llama.rotate_half),
+    }
+
+
+@functools.cache
+def _head_norm_attention_source() -> str | None:
+    """Qwen3's attention: Llama's, with `q_norm` and `k_norm` over each head before the rotation."""
+    try:
+        from transformers.models.qwen3 import modeling_qwen3
+    except ImportError:  # (a release without Qwen3: no attention of its kind to fuse)
+        return None
+    return _source(modeling_qwen3.Qwen3Attention.forward)
+
+
+@dataclasses.dataclass
+class LayerParts:
+    """What a fused draft layer reads: the layer's own parameters (never copies) and its head layout."""
+
+    layer_idx: int
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    norm_in: torch.Tensor
+    eps_in: float
+    o_weight: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    act: str
+    norm_post: torch.Tensor
+    eps_post: float
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    head_norms: tuple[torch.Tensor, torch.Tensor, float] | None  # Qwen3's q_norm and k_norm weights, their eps
+    split_qkv: bool  # weights too large for a program per head: `qkv_linear`, then `rope_write_kv`
+    max_rows: int  # the largest draft forward the fused kernels pay for (`fused_projections._max_rows`)
+    fold_norms: bool  # the norms ride in the projections (else: launches of their own)
+    attention: torch.nn.Module  # the layer's attention module, for the attention dispatch of verification/dense steps
+    next_norm: tuple[torch.Tensor, float] | None = None  # the next fused layer's input norm (weight, eps)
+    hands_on: bool = False  # the next layer is fused too: it gets the rotary tables (and `next_norm`'s input)
+
+
+def layer_parts(layer) -> LayerParts | None:
+    """The parts of `layer` if it can run as a fused draft layer, else None (it keeps its own forward)."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    if attn is None or mlp is None or None in norms or getattr(attn, "layer_idx", None) is None:
+        return None
+    sources = _llama_sources()
+    module = sys.modules.get(type(attn).__module__)
+    attention = _source(type(attn).forward)
+    head_norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
+    if attention is not None and attention == sources["attention"]:
+        head_norms = ()  # Llama's attention: no head norms
+    elif (attention is None or attention != _head_norm_attention_source() or None in head_norms
+          or any(_source(type(n).forward) != sources["norm"] for n in head_norms)):
+        return None
+    if (_source(type(layer).forward) != sources["layer"]
+            or _source(getattr(module, "apply_rotary_pos_emb", None)) != sources["rotary"]
+            or _source(getattr(module, "rotate_half", None)) != sources["rotate_half"]
+            or any(_source(type(norm).forward) != sources["norm"] for norm in norms)):
+        return None
+    if any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m)
+           for m in (layer, attn, mlp, *norms, *head_norms)):
+        return None
+    q, k, v, o = (getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    act = _gated_mlp_activation(mlp)
+    if act is None or not _plain_linears(q, k, v, mlp.gate_proj, mlp.up_proj):
+        return None
+    if len({p.bias is None for p in (q, k, v)}) != 1:
+        return None
+    if not (_plain_linears(o) and _plain_linears(mlp.down_proj)) or o.bias is not None:
+        return None
+    if mlp.down_proj.bias is not None:
+        return None
+    head_dim = getattr(attn, "head_dim", None)
+    if not head_dim or head_dim % 2 or q.out_features % head_dim or v.out_features != k.out_features:
+        return None
+    if k.out_features % head_dim or o.in_features != q.out_features:
+        return None
+    if head_norms and (any(norm.weight.shape != (head_dim,) for norm in head_norms)
+                       or head_norms[0].variance_epsilon != head_norms[1].variance_epsilon):
+        return None
+    weights = (q.weight, o.weight, mlp.gate_proj.weight, mlp.down_proj.weight,
+               *(norm.weight for norm in (*norms, *head_norms)))
+    if len({t.dtype for t in weights}) != 1:
+        return None
+    linear = backend.kernels().linear  # (q/k/v run in `qkv_rope_write`, which takes any even head_dim)
+    # (large weights whose sizes share no block of 16 for `qkv_linear` keep the one launch: slower, not wrong)
+    split_qkv = _large(q.weight, k.weight, v.weight) and linear.block_n_for(q.out_features, k.out_features) is not None
+    if linear.block_n_for(mlp.gate_proj.out_features) is None:
+        return None
+    return LayerParts(
+        layer_idx=attn.layer_idx, qkv=(q.weight, k.weight, v.weight),
+        qkv_bias=None if q.bias is None else (q.bias, k.bias, v.bias), norm_in=norms[0].weight,
+        eps_in=norms[0].variance_epsilon, o_weight=o.weight, gate=mlp.gate_proj.weight, up=mlp.up_proj.weight,
+        down=mlp.down_proj.weight, act=act, norm_post=norms[1].weight, eps_post=norms[1].variance_epsilon,
+        q_heads=q.out_features // head_dim, kv_heads=k.out_features // head_dim, head_dim=head_dim,
+        scaling=attn.scaling, split_qkv=split_qkv,
+        head_norms=(*(norm.weight for norm in head_norms), head_norms[0].variance_epsilon) if head_norms else None,
+        max_rows=min(_max_rows(q.weight, k.weight, v.weight), _max_rows(mlp.gate_proj.weight, mlp.up_proj.weight)),
+        fold_norms=q.weight.dtype != torch.float16 and linear.block_n_for(o.out_features) is not None,
+        attention=attn,
+    )
+
+
+def link_norms(decoder, parts: dict) -> None:
+    """Each fused layer of `decoder.layers` whose successor is fused too hands it the rotary tables, and where both
+    fold their norms writes that layer's norm input."""
+    layers = list(getattr(decoder, "layers", []))
+    for layer, following in zip(layers, layers[1:]):
+        if layer in parts and following in parts and parts[following].layer_idx == parts[layer].layer_idx + 1:
+            folding = parts[layer].fold_norms and parts[following].fold_norms
+            parts[layer] = dataclasses.replace(
+                parts[layer], hands_on=True,
+                next_norm=(parts[following].norm_in, parts[following].eps_in) if folding else None)
