@@ -152,7 +152,7 @@ def sweep(shape: str, rows: int, only: list[str] | None = None, grid: dict | Non
                     continue  # the launcher clamps it to the rows: a duplicate of a smaller block
                 if kind == "qkv_rope" and setting["block_n"] != grid["block_n"][0]:
                     continue  # a program owns one head: no column block to choose
-                entry = _tuning_kind(op, rows, sets[0])  # what the launcher takes at this shape ("generic" > 64 rows)
+                entry = _tuning_kind(op, rows, sets[0])  # what the launcher takes for these weights
                 _launch.LINEAR_TUNING[entry] = setting
                 records.append(dict(shape=shape, rows=rows, op=op, setting=setting, cublas_us=cublas_us,
                                     tuning_kind=entry,
@@ -233,7 +233,7 @@ def _tuning_kind(op: str, rows: int, weights: list[torch.Tensor]) -> str:
     kind = op.split("(")[0]
     if kind == "qkv_rope":
         return kind
-    return linear.tuning_kind(kind, rows, sum(w.numel() * w.element_size() for w in weights))
+    return linear.tuning_kind(kind, sum(w.numel() * w.element_size() for w in weights))
 
 
 def _default_setting(record: dict) -> dict:

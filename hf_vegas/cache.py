@@ -175,8 +175,8 @@ class VegasCache(Cache):
 
     def begin_layer(self, layer_idx: int, num_tokens: int) -> None:
         """Before a layer writes its keys: layer 0 lays out the forward's `num_tokens` tokens for every layer (and what
-        it selects from). A fused draft layer (`hf_vegas.fused_layers`), which writes its keys itself, calls it in
-        place of `update`."""
+        it selects from). A fused layer (`hf_vegas.fused_layers`), which writes its keys itself, calls it in place of
+        `update`."""
         if layer_idx == 0:
             self.plan.lay_out(num_tokens)
             self.selection.prepare(self.plan, num_tokens)

@@ -93,17 +93,17 @@ class VegasConfig:
             differently from eager ones in half precision (as any kernel change may); in fp32 the tokens match
             vanilla greedy (tested on the GPU).
         fuse_projections (`bool`, *optional*, defaults to `True`):
-            With the Triton backend, a decoder layer whose code is transformers' own Llama layer (or Qwen3's
-            attention) runs in five launches instead of ~15 (q/k/v + rotary + cache write, the attention, the output
-            projection + residual + norm, gate/up + activation, down + residual + norm): in draft steps, and in the
-            verification and dense steps when the longest verification fits the kernels (at most 512 rows, i.e.
-            batch x (gamma + 1); a few rows for weights over 16 MiB). Those steps pick the tokens, so they round as
-            these kernels do: the verification and the dense path (`vegas_gamma=0`) alike, and in half precision
+            With the Triton backend, a decoder layer whose code is transformers' own Llama layer (or Qwen3's attention)
+            runs in five launches instead of ~15 (q/k/v + rotary + cache write, the attention, the output projection +
+            residual + norm, gate/up + activation, down + residual + norm): in draft steps (of at most 512 rows; a few
+            rows for weights over 16 MiB), and from batch 64 on, for weights of at most 16 MiB per launch in bf16 or
+            fp32, in the verification and dense steps too, at every gamma. Those steps pick the tokens, so they round
+            as these kernels do: the verification and the dense path (`vegas_gamma=0`) alike, and in half precision
             otherwise than the model's own layers (on the CPU nothing is fused). Other layers run their q/k/v and
-            gate/up projections as one kernel each in draft steps only (layers with weights over 16 MiB: in draft
-            steps of at most 16 rows, their output and down projections through the same kernel; under tensor
-            parallelism each rank's partial product, which transformers then sums over the ranks). The weights stay
-            where they are; the model is restored when `generate` returns (see `hf_vegas.fused_layers` and
+            gate/up projections as one kernel each in draft steps only (layers with weights over 16 MiB: in draft steps
+            of at most 16 rows, their output and down projections through the same kernel; under tensor parallelism
+            each rank's partial product, which transformers then sums over the ranks). The weights stay where they are;
+            the model is restored when `generate` returns (see `hf_vegas.fused_layers` and
             `hf_vegas.fused_projections`).
     """
 

@@ -52,7 +52,8 @@ def _head_norm_attention_source() -> str | None:
 
 @dataclasses.dataclass
 class LayerParts:
-    """What a fused draft layer reads: the layer's own parameters (never copies) and its head layout."""
+    """What a fused layer reads: the layer's own parameters (never copies), its head layout, and in which steps it
+    runs fused."""
 
     layer_idx: int
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -74,13 +75,14 @@ class LayerParts:
     split_qkv: bool  # weights too large for a program per head: `qkv_linear`, then `rope_write_kv`
     max_rows: int  # the largest draft forward the fused kernels pay for (`fused_projections._max_rows`)
     fold_norms: bool  # the norms ride in the projections (else: launches of their own)
+    full_steps: bool  # small weights, folded norms: the verification and dense steps fuse too (`fused_layers`)
     attention: torch.nn.Module  # the layer's attention module, for the attention dispatch of verification/dense steps
     next_norm: tuple[torch.Tensor, float] | None = None  # the next fused layer's input norm (weight, eps)
     hands_on: bool = False  # the next layer is fused too: it gets the rotary tables (and `next_norm`'s input)
 
 
 def layer_parts(layer) -> LayerParts | None:
-    """The parts of `layer` if it can run as a fused draft layer, else None (it keeps its own forward)."""
+    """The parts of `layer` if it can run as a fused layer, else None (it keeps its own forward)."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
     if attn is None or mlp is None or None in norms or getattr(attn, "layer_idx", None) is None:
@@ -129,6 +131,11 @@ def layer_parts(layer) -> LayerParts | None:
     split_qkv = _large(q.weight, k.weight, v.weight) and linear.block_n_for(q.out_features, k.out_features) is not None
     if linear.block_n_for(mlp.gate_proj.out_features) is None:
         return None
+    fold_norms = q.weight.dtype != torch.float16 and linear.block_n_for(o.out_features) is not None
+    # Verification and dense steps fuse only where every launch is one of the kernels, at any row count: small weights
+    # (large ones keep cuBLAS past a few rows) and folded norms (else a residual sum may take cuBLAS' `addmm`).
+    small = not any(_large(*w) for w in ((q.weight, k.weight, v.weight), (mlp.gate_proj.weight, mlp.up_proj.weight),
+                                         (o.weight,), (mlp.down_proj.weight,)))
     return LayerParts(
         layer_idx=attn.layer_idx, qkv=(q.weight, k.weight, v.weight),
         qkv_bias=None if q.bias is None else (q.bias, k.bias, v.bias), norm_in=norms[0].weight,
@@ -138,8 +145,7 @@ def layer_parts(layer) -> LayerParts | None:
         scaling=attn.scaling, split_qkv=split_qkv,
         head_norms=(*(norm.weight for norm in head_norms), head_norms[0].variance_epsilon) if head_norms else None,
         max_rows=min(_max_rows(q.weight, k.weight, v.weight), _max_rows(mlp.gate_proj.weight, mlp.up_proj.weight)),
-        fold_norms=q.weight.dtype != torch.float16 and linear.block_n_for(o.out_features) is not None,
-        attention=attn,
+        fold_norms=fold_norms, full_steps=small and fold_norms, attention=attn,
     )
 
 

@@ -46,19 +46,22 @@ verification 5.97 against 6.10 (H200, `benchmarks/RESULTS.md`). These steps pick
 kernels do (fp32 sums, like cuBLAS', in another order; the norms folded as above), not as the model's layers: in
 half precision on the GPU the tokens may differ from vanilla's as a kernel change may (in fp32 on the CPU, where
 the plain-PyTorch backend runs no fused layer, they are vanilla's). What must hold is that the verification and our
-dense path (`gamma=0`) round alike, since `gamma="auto"` moves between them within a generation and the benchmark
-compares them (`agreement_with_dense`): so both fuse or neither, as the generation's longest verification
-(`max_gamma + 1` tokens per row) decides, and the projections take their tuned settings up to 512 rows
-(`_launch.LINEAR_TUNED_ROWS`): a verification of 64 x 7 rows runs the very tiles of the dense step's 64, in the same
-order. (With the generic settings above 64 rows, the norms' partial sums over other column blocks, 20 of 64 greedy
-rows matched the dense path; with the same settings, 64 of 64.) `fuse_projections=False` keeps the model's own layers
-in every step. Drafts only decide how many tokens are accepted, never which.
+dense path (`gamma=0`) round alike, at every gamma: the README promises that speculation changes no token against
+the dense path, `gamma="auto"` moves between the two within a generation, and the benchmark compares them
+(`agreement_with_dense`). So a layer fuses them at any gamma or not at all (`_applies`: small weights, folded norms,
+a batch of at least `FULL_STEP_MIN_BATCH` rows, so that both take 64-row tiles), and the projections take one
+launch setting at every row count (`_launch.LINEAR_TUNING`): a verification of 64 x 7 rows runs the very tiles of
+the dense step's 64, in the same order. (With the former "generic" setting above 64 rows, whose norms' partial sums
+cover other column blocks, 20 of 64 greedy rows matched the dense path; with one setting, 64 of 64.) Below that
+batch, for large weights, and under `fuse_projections=False` (then in every step), the model's own layers run these
+steps, as they did before 7f5a89f. Drafts only decide how many tokens are accepted, never which.
 
 Which layers: the decoder layer, its attention and its norms run exactly the code of transformers' own Llama classes
 (compared as source text against the installed release, so a model whose code differs in anything, a bias on the
 output projection, a soft cap, another rotary convention, keeps its own forward), or Qwen3's attention, with plain
-`nn.Linear` projections, in forwards of few enough rows for the one-launch kernels to pay
-(`fused_projections._max_rows`: any narrow step of small weights, a few rows of large ones), no hooks, and full
+`nn.Linear` projections (`fused_layer_parts`), in draft steps of few enough rows for the one-launch kernels to pay
+(`fused_projections._max_rows`: any draft of small weights, a few rows of large ones) and the verification and
+dense steps above, no hooks, and full
 attention in this generation (sliding-window layers keep their window). Everything else, and every prefill, runs
 the model's own forward. Instance `forward` attributes are removed when the block exits. Every kernel is a
 `torch.library` custom op, so a compiled step (`vegas_compile`) traces the fused layer with the rest.
@@ -71,35 +74,39 @@ import contextlib
 import torch
 
 from ._compat import internals as compat
-from .attention import MAX_KERNEL_QUERY_ROWS, attend
+from .attention import attend
 from .fused_layer_parts import LayerParts, layer_parts, link_norms
 from .fused_projections import fused_projections
 from .rotary_tables import rotary_tables
 
-# The steps besides drafts whose narrow forwards the fused layers run (`StepPlan.MODES`: "decode" is a dense step).
+# The steps besides drafts that the fused layers run (`StepPlan.MODES`: "decode" is a dense step).
 FULL_STEPS = ("verify", "decode")
+# Verification and dense steps fuse from this batch on: the projections' row block is 64 rows (`_launch.LINEAR_TUNING`)
+# and is clamped to the rows of a smaller forward, so below it a dense step and its verification (gamma + 1 times the
+# rows) would run tiles of other heights, which may round otherwise.
+FULL_STEP_MIN_BATCH = 64
 
 
 def _applies(parts: LayerParts, cache, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> bool:
-    """Whether this forward is a step the fused layer runs: a one-token sparse draft, or a verification or dense
-    step narrow enough for the attention kernels (`attention.MAX_KERNEL_QUERY_ROWS` query rows per KV head), of at
-    most `parts.max_rows` rows, in the weights' dtype, without autocast, with per-token rotary factors over the whole
-    head (anything else, every prefill among them, runs the model's own forward)."""
+    """Whether this forward is a step the fused layer runs: a one-token sparse draft of at most `parts.max_rows`
+    rows, or a verification or dense step of at least `FULL_STEP_MIN_BATCH` rows through a layer of small weights
+    (`parts.full_steps`), at any gamma: a dense step and a verification then either both fuse or both do not, and
+    round alike; in the weights' dtype, without autocast, with per-token rotary factors over the whole head
+    (anything else, every prefill among them, runs the model's own forward)."""
     if args or cache is None or kwargs.get(compat.CACHE_KEYWORD) is not cache or hidden_states.dim() != 3:
         return False
     batch, tokens = hidden_states.shape[:2]
     mode = cache.plan.mode
     if mode == "draft":
-        narrow = tokens == 1
-    else:  # (the longest verification decides for the dense steps too: fused, or not, they round alike)
-        longest = cache.vegas_config.max_gamma + 1
-        narrow = (mode in FULL_STEPS and tokens <= longest and batch * longest <= parts.max_rows
-                  and parts.q_heads // parts.kv_heads * longest <= MAX_KERNEL_QUERY_ROWS)
+        fits = tokens == 1 and batch <= parts.max_rows
+    else:  # (HF's assisted loop, one row, re-feeds its prompt with the first verification: never fused)
+        fits = (mode in FULL_STEPS and parts.full_steps and batch >= FULL_STEP_MIN_BATCH
+                and tokens <= cache.vegas_config.max_gamma + 1)
     position_embeddings = kwargs.get("position_embeddings")
-    return (narrow and position_embeddings is not None
+    return (fits and position_embeddings is not None
             and position_embeddings[0].shape == (batch, tokens, parts.head_dim)
             and not cache.layers[parts.layer_idx].is_sliding and cache.layers[parts.layer_idx].is_initialized
-            and batch * tokens <= parts.max_rows and hidden_states.dtype == parts.o_weight.dtype
+            and hidden_states.dtype == parts.o_weight.dtype
             and not torch.is_autocast_enabled(hidden_states.device.type))
 
 

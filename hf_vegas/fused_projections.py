@@ -6,8 +6,9 @@ projections per layer take ~25 us of a ~60 us layer (`benchmarks/profile_forward
 while `active()` says so (the generation loop: in draft steps), the attention modules' `q_proj` computes q, k and v
 in one kernel (`hf_vegas_kernels.qkv_linear`) and `k_proj` / `v_proj` hand out their slices of it; a standard gated
 MLP (`down(act(gate(x)) * up(x))`) computes `act(gate) * up` in one kernel. The kernels round differently from
-cuBLAS, which a draft may (it only decides how many tokens are accepted, never which), but the verification and
-dense steps, whose logits pick the tokens, must not: they keep the model's own projections.
+cuBLAS, which a draft may (it only decides how many tokens are accepted, never which); the verification and dense
+steps, whose logits pick the tokens, keep these layers' own projections. (Layers running exactly Llama's code take
+all three kinds of steps through `hf_vegas.fused_layers` instead, where verification and dense steps round alike.)
 
 Under transformers' tensor parallelism (`tp_plan="auto"`) q/k/v and gate/up are column-parallel: each rank computes
 its own output columns from its shard of the weights, and the kernels do the same from the same shards.
@@ -102,7 +103,7 @@ def _distributed(tensor) -> bool:
 
 
 def _plain_linears(*modules) -> bool:
-    """`_linear_parts` without tensor parallelism: plain `nn.Linear`s whose weights are whole (the fused draft layers
+    """`_linear_parts` without tensor parallelism: plain `nn.Linear`s whose weights are whole (the fused layers
     also fold the row-parallel projections, which under TP sum over the ranks)."""
     return _linear_parts(*modules) is not None and all("forward" not in vars(m) for m in modules)
 

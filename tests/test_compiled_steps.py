@@ -1,5 +1,5 @@
 """`torch.compile` traces a whole step's forward: the cache update, the attention, the selection, the rotary tables'
-op and (Triton backend) the fused draft layers, with no graph break (`fullgraph=True`), and the compiled steps give
+op and (Triton backend) the fused layers, with no graph break (`fullgraph=True`), and the compiled steps give
 the eager steps' drafts, logits and selections.
 
 On the CPU the compiled graph runs through `aot_eager` (AOTAutograd's tracing with the ops' fake implementations,

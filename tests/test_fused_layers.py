@@ -1,5 +1,6 @@
-"""Fused layers: which layers fuse, the same draft step as the model's own layers, and generation that stays
-vanilla's. Their kernels' own tests: `kernels/tests/test_kernels_norm_rope.py` and `test_kernels_linear.py`."""
+"""Fused layers: which layers fuse, the same draft, verification and dense steps as the model's own layers, the
+verification and dense steps fused at every gamma or not at all, and generation that stays vanilla's. Their
+kernels' own tests: `kernels/tests/test_kernels_norm_rope.py` and `test_kernels_linear.py`."""
 
 import contextlib
 import dataclasses
@@ -107,7 +108,8 @@ def test_layers_with_large_weights_fuse_only_the_fewest_rows(monkeypatch):
     monkeypatch.setattr(projections, "LARGE_WEIGHT_MAX_ROWS", 1)
     calls = []  # (large weights: their projection, then `rope_write_kv`)
     original = kernels.rope_write_kv
-    monkeypatch.setattr(kernels, "rope_write_kv", lambda *args: calls.append(args[0].shape[0]) or original(*args))
+    monkeypatch.setattr(kernels, "rope_write_kv",  # (rows: batch x tokens)
+                        lambda *args: calls.append(args[0].shape[0] * args[0].shape[1]) or original(*args))
     model = tiny_model("llama").to(DEVICE)
     ids, mask = (t.to(DEVICE) for t in ragged_batch([30, 21]))
     common = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, custom_generate="vegas", vegas_backend="triton",
@@ -177,6 +179,7 @@ def test_a_fused_verification_or_dense_step_computes_what_the_model_s_layers_com
     """A verification of 3 tokens per row (with the selection it yields) and a dense step, over the same cache,
     through the model's own layers and through the fused ones: the same logits (fp32, up to summation order), the same
     keys and values written, and (verification) the same next selection; the fused launches do run."""
+    monkeypatch.setattr(fused_module, "FULL_STEP_MIN_BATCH", 1)  # (a batch of 2 rows)
     launches = []
     original = kernels.qkv_rope_write
     monkeypatch.setattr(kernels, "qkv_rope_write", lambda *args: launches.append(args[0].shape[1]) or original(*args))
@@ -222,38 +225,46 @@ def test_a_fused_verification_or_dense_step_computes_what_the_model_s_layers_com
     assert torch.equal(got_idx, want_idx) and (mode == "decode") == bool((got_idx == -1).all())
 
 
-@pytest.mark.parametrize("limit", [None, "query_rows", "rows"])
-def test_verification_and_dense_steps_fuse_together_or_not_at_all(monkeypatch, limit):
-    """Whether a generation's verification and dense steps run fused is decided by its longest verification (gamma + 1
-    tokens per row): they round alike either way. Too many query rows per KV head for the attention kernels, or too
-    many rows for the fused kernels, and both keep the model's own layers while drafts stay fused; prefills never
-    fuse."""
+@pytest.mark.parametrize("gamma", [0, 2, 9])
+@pytest.mark.parametrize("limit", [None, "draft_rows", "batch", "large", "fp16"])
+def test_verification_and_dense_steps_fuse_at_every_gamma_or_not_at_all(monkeypatch, limit, gamma):
+    """Whether a layer's verification and dense steps run fused depends on the layer and the batch, never on gamma:
+    the dense path and every gamma round alike. Below `FULL_STEP_MIN_BATCH` rows, with weights counted large, or with
+    norms that do not fold (fp16), both keep the model's own layers while drafts stay fused; prefills never fuse.
+    The drafts' row limit (`fused_projections.MAX_ROWS`, here below a verification's rows) does not apply to them."""
     from hf_vegas import fused_projections
 
-    if limit == "query_rows":  # (4 query heads over 2 KV heads: 3 tokens are 6 query rows)
-        monkeypatch.setattr(fused_module, "MAX_KERNEL_QUERY_ROWS", 5)
-    if limit == "rows":  # (2 rows x 3 tokens)
+    if limit != "batch":
+        monkeypatch.setattr(fused_module, "FULL_STEP_MIN_BATCH", 2)  # (the test's batch)
+    if limit == "large":
+        monkeypatch.setattr(fused_projections, "MAX_WEIGHT_BYTES", 0)
+    if limit == "draft_rows":
         monkeypatch.setattr(fused_projections, "MAX_ROWS", 5)
     launches = []
-    original = kernels.qkv_rope_write
-    monkeypatch.setattr(kernels, "qkv_rope_write", lambda *args: launches.append(args[0].shape[1]) or original(*args))
-    model = tiny_model("llama").to(DEVICE)
+    for name in ("qkv_rope_write", "rope_write_kv"):
+        original = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *args, _op=original: launches.append(args[0].shape[1]) or _op(*args))
+    dtype = torch.float16 if limit == "fp16" else torch.float32
+    model = tiny_model("llama").to(DEVICE, dtype)
     ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
-    config = VegasConfig(gamma=2, sparsity=0.3, min_tokens=4, backend="triton", cuda_graphs=False)
+    selection = dict(sparsity=0.3, min_tokens=4) if gamma else {}  # (gamma 0 selects nothing)
+    config = VegasConfig(gamma=gamma, **selection, backend="triton", cuda_graphs=False)
     cache = VegasCache(model.config, 2, 40, config, device=DEVICE, backend="triton")
     runner = StepRunner(model, cache, LogitsProcessorList(), do_sample=False)
     layers = model.config.num_hidden_layers
     with torch.no_grad(), vegas_attention(model), active_cache(cache), fused_layers(model, cache):
         runner.prefill(ids, left_pad=(mask == 0).sum(dim=1))
         assert launches == []
-        runner.arm_verification()
-        runner.call_model(torch.tensor([[5, 9, 2], [7, 1, 3]], device=DEVICE), 3)
         cache.begin("decode")
         runner.call_model(torch.tensor([[4], [6]], device=DEVICE), 1)
-        cache.begin("draft")
-        runner.call_model(torch.tensor([[8], [3]], device=DEVICE), 1)
-    fused_full = [3] * layers + [1] * layers if limit is None else []
-    assert launches == fused_full + [1] * layers
+        if gamma:
+            runner.arm_verification()
+            runner.call_model(torch.randint(1, 50, (2, gamma + 1), device=DEVICE), gamma + 1)
+            cache.begin("draft")
+            runner.call_model(torch.tensor([[8], [3]], device=DEVICE), 1)
+    full = ([1] + ([gamma + 1] if gamma else [])) if limit in (None, "draft_rows") else []
+    drafts = [1] if gamma else []
+    assert launches == [t for t in full for _ in range(layers)] + drafts * layers
 
 
 def _draft_step(model, ids, mask, fused: bool, compile_with=None):
@@ -387,13 +398,15 @@ def test_norms_stay_launches_in_fp16_and_at_widths_no_block_divides(monkeypatch)
 
 
 @pytest.mark.parametrize("arch,do_sample", [("llama", False), ("llama", True), ("qwen3", False), ("qwen3", True)])
-def test_generation_with_fused_draft_layers_accepts_what_the_model_s_layers_accept(monkeypatch, arch, do_sample):
-    """In fp32 the fused drafts differ from the model's own by rounding only: greedy accepts the same drafts, and
-    sampling with one seed draws the same tokens (the draft probabilities it uses are the fused drafts' own).
-    Greedy tokens against vanilla, through the fused layers: `test_triton_backend.py` (llama, qwen3)."""
+def test_generation_with_fused_layers_gives_what_the_model_s_layers_give(monkeypatch, arch, do_sample):
+    """In fp32 the fused drafts, verifications and dense steps differ from the model's own by rounding only: greedy
+    accepts the same drafts and gives the same tokens, and sampling with one seed draws the same tokens (the draft
+    probabilities it uses are the fused drafts' own). Greedy tokens against vanilla, through the fused layers:
+    `test_triton_backend.py` (llama, qwen3)."""
+    monkeypatch.setattr(fused_module, "FULL_STEP_MIN_BATCH", 2)  # (the test's batch: verifications fuse too)
     calls = []
     original = kernels.qkv_rope_write
-    monkeypatch.setattr(kernels, "qkv_rope_write", lambda *args: calls.append(1) or original(*args))
+    monkeypatch.setattr(kernels, "qkv_rope_write", lambda *args: calls.append(args[0].shape[1]) or original(*args))
     model = _random_norms(tiny_model(arch)).to(DEVICE)
     ids, mask = (t.to(DEVICE) for t in ragged_batch([30, 21]))
     common = dict(attention_mask=mask, max_new_tokens=8, do_sample=do_sample, pad_token_id=0, top_k=0,
@@ -401,7 +414,7 @@ def test_generation_with_fused_draft_layers_accepts_what_the_model_s_layers_acce
                   vegas_sparsity=0.3, vegas_min_tokens=4, return_dict_in_generate=True)
     torch.manual_seed(3)
     fused = model.generate(ids, **common)
-    assert calls, "the draft steps ran the fused layers"
+    assert {1, 4} <= set(calls), "the draft steps and the verifications (4 tokens) ran the fused layers"
     calls.clear()
     torch.manual_seed(3)
     plain = model.generate(ids, **common, vegas_fuse_projections=False)
@@ -411,7 +424,7 @@ def test_generation_with_fused_draft_layers_accepts_what_the_model_s_layers_acce
     assert not any("forward" in vars(m) for m in model.modules())
 
 
-def test_the_oracle_policy_keeps_the_models_layers_fused_steps():
+def test_the_oracle_policy_keeps_the_models_own_layers():
     """A fused layer calls the sparse kernel itself, past the attention function where the oracle chooses each draft
     step's slots: with that policy the layers keep their forward (the projections may still fuse)."""
     model = tiny_model("llama")

@@ -98,8 +98,8 @@ def test_layers_with_large_weights_use_the_kernels_only_for_the_fewest_rows(monk
 
 @pytest.mark.parametrize("large", [False, True], ids=["small-weights", "large-weights"])
 def test_only_draft_steps_use_the_fused_kernels(monkeypatch, large):
-    """Verification and dense steps pick the tokens: they keep the model's own projections (the kernels round
-    differently), so the output does not depend on the fusion."""
+    """Verification and dense steps pick the tokens: layers outside the fused layers (`hf_vegas.fused_layers`, which
+    this test's model keeps out) keep their own projections there, so the output does not depend on this fusion."""
     from hf_vegas import fused_projections as module
     from hf_vegas.attention import _ACTIVE
     from tiny_models import ragged_batch

@@ -173,7 +173,7 @@ def _opcheck_cases():
         "qkv_linear": ((torch.randn(5, 32, device=DEVICE), torch.randn(48, 32, device=DEVICE),
                         torch.randn(16, 32, device=DEVICE), torch.randn(16, 32, device=DEVICE), None, None, None,
                         torch.rand(5, 3, device=DEVICE), 1e-6), {}),
-        # (hf_vegas' own op: a compiled forward's, or a fused draft layer chain's, rotary tables)
+        # (hf_vegas' own op: a compiled forward's, or a fused layer chain's, rotary tables)
         "rotary_tables": ((torch.rand(2, 7, 32, device=DEVICE), torch.rand(2, 7, 32, device=DEVICE)), {}),
     }
 

@@ -1,4 +1,4 @@
-"""A fused draft layer's own kernels (`norm.py`, `qkv_rope.py`): RMSNorm, and the q/k/v projection with its rotary
+"""A fused layer's own kernels (`norm.py`, `qkv_rope.py`): RMSNorm, and the q/k/v projection with its rotary
 embedding and cache write in one launch, against the naive ops and transformers' Llama norm, from NaN-poisoned
 buffers."""
 

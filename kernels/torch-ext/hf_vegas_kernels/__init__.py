@@ -1,6 +1,6 @@
 """hf_vegas_kernels: the ops of hf_vegas, each in plain PyTorch (`naive`, the contract) and in Triton beside it (sparse
 draft attention, verification attention with fused Collect-2-Query logits, top-k selection, top-p filtering, the
-draft token's race, the cache write, one-launch decode projections, RMSNorm, and for fused draft layers the q/k/v
+draft token's race, the cache write, one-launch decode projections, RMSNorm, and for fused layers the q/k/v
 projection with its rotary embedding and cache write, and the output projections with their residual and the next
 RMSNorm's input). Each Triton op takes its naive op's signature, but `linear_residual_norm_into`, the launch of
 `linear_residual_norm` into buffers it is given; those a model forward calls are `torch.library` custom ops

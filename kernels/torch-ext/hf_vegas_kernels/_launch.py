@@ -83,8 +83,11 @@ TUNING = {
 # the combine launch (parallel over query rows, vectorised over splits) is used instead.
 FUSED_COMBINE_MAX_SPLITS = 8
 
-# Launch parameters of the projection kernels (`linear.py`) per op, for forwards of at most LINEAR_TUNED_ROWS rows
-# (tuned at 64: a draft or dense step of 64 sequences); larger forwards keep the generic setting. `block_n` is the
+# Launch parameters of the projection kernels (`linear.py`) per op, at every row count (tuned at 64 rows: a draft or
+# dense step of 64 sequences). One setting whatever the rows: a fused verification of 64 x 7 rows then runs the very
+# tiles, with the same order of every sum, as the dense step of its 64 rows, and the two round alike
+# (`hf_vegas.fused_layers`; with a "generic" setting of 64-column blocks above 64 rows, until 7f5a89f, only 20 of 64
+# greedy rows matched). The row block is clamped to the rows (16 for a draft of 4). `block_n` is the
 # widest column block tried: a segment that it does not divide gets the next smaller one. Chosen on an H100 with
 # `benchmarks/projections.py --sweep` (records in benchmarks/results/projections_sweep.jsonl): narrow column blocks
 # give SmolLM2's small weights enough programs (q/k/v 3.5 us and gate/up 5.5 us at 64 rows, from 5.4 and 9.3 with
@@ -97,7 +100,6 @@ LINEAR_TUNING = {
     "qkv": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
     "gated": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
     "linear": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
-    "generic": {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3},
     # Weights of more than LINEAR_LARGE_WEIGHT_BYTES (a launch's, gate and up together) are read for their bytes, not
     # their launch: wider column blocks and longer K steps stream them faster. Qwen3-8B's at 16 rows (H200, commit
     # b89507d, `projections.py --sweep --shapes qwen3-8b --rows 16 --grid block_m=16 block_n=16,32 block_k=128,256
@@ -117,11 +119,7 @@ LINEAR_TUNING = {
 # Shared memory a projection kernel's pipelined tiles may take (an H100 block has 227 KiB): fp32 inputs, or the two
 # tiles of the gated kernel, take fewer stages instead of failing to launch.
 LINEAR_SHARED_BYTES = 160 << 10
-# Forwards of up to this many rows take the tuned settings (above: "generic"). As many as the fused layers run
-# (`hf_vegas.fused_projections.MAX_ROWS`), so that a verification of 64 rows x 7 tokens runs the very kernels (the
-# same tiles, the same order of every sum) as the dense step of its 64 rows, and the two round alike.
-LINEAR_TUNED_ROWS = 512
-# Above this many weight bytes a launch of at most LINEAR_TUNED_ROWS rows takes its kind's "_large" setting (the same
+# Above this many weight bytes a launch takes its kind's "_large" setting (the same
 # line as hf_vegas.fused_projections.MAX_WEIGHT_BYTES, above which a draft's output and down projections take the
 # kernel: in those it runs the "linear_large" setting).
 LINEAR_LARGE_WEIGHT_BYTES = 16 << 20

@@ -11,7 +11,7 @@ weights is made, so the model is untouched and no memory is added):
   `torch.addmm(residual, ...)` is a copy of the residual, then the GEMM: two launches);
 - `linear_residual_norm(x, w, residual, norm_weight)`: the same, and for the RMSNorm after it `h * norm_weight` and
   per-block sums of squares of `h`, which `gated_linear` / `qkv_rope.qkv_rope_write` turn into the norm's row
-  factor (`row_sumsq`): a fused draft layer's norms need no launch of their own (`hf_vegas.fused_layers`).
+  factor (`row_sumsq`): a fused layer's norms need no launch of their own (`hf_vegas.fused_layers`).
 
 A program owns `BLOCK_M` rows and `BLOCK_N` output columns that all lie in one weight (segment sizes are multiples
 of `BLOCK_N`), and accumulates in fp32. Block sizes, warps and stages per op: `_launch.LINEAR_TUNING`.
@@ -144,11 +144,9 @@ def block_n_for(*sizes: int, widest: int = 64) -> int | None:
     return None
 
 
-def tuning_kind(kind: str, rows: int, weight_bytes: int) -> str:
-    """The `_launch.LINEAR_TUNING` entry a launch of `kind` ("qkv", "gated", "linear") over `rows` rows and
-    `weight_bytes` of weights (all of the launch's) takes."""
-    if rows > _launch.LINEAR_TUNED_ROWS:
-        return "generic"
+def tuning_kind(kind: str, weight_bytes: int) -> str:
+    """The `_launch.LINEAR_TUNING` entry a launch of `kind` ("qkv", "gated", "linear") over `weight_bytes` of weights
+    (all of the launch's) takes, at any row count."""
     return f"{kind}_large" if weight_bytes > _launch.LINEAR_LARGE_WEIGHT_BYTES else kind
 
 
@@ -156,7 +154,7 @@ def _setting(kind: str, rows: int, sizes: list[int], element_bytes: int, k: int)
     """Launch parameters of `kind` ("qkv", "gated", "linear") for `rows` rows, the weights' output segments `sizes`
     (gated: gate's and up's) and inputs of `k` columns, from `_launch.LINEAR_TUNING`."""
     weight_bytes = sum(sizes) * k * element_bytes
-    setting = dict(_launch.LINEAR_TUNING[tuning_kind(kind, rows, weight_bytes)])
+    setting = dict(_launch.LINEAR_TUNING[tuning_kind(kind, weight_bytes)])
     # No wider row block than the rows need (a draft of 4 sequences computes a 16-row tile, not 64).
     setting["block_m"] = min(setting["block_m"], max(16, triton.next_power_of_2(rows)))
     setting["block_n"] = block_n_for(*sizes, widest=setting["block_n"])

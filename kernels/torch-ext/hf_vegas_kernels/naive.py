@@ -332,7 +332,7 @@ def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act:
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """`residual + x @ weight.T`, rounded once (as `torch.addmm`, which a fused draft layer used before)."""
+    """`residual + x @ weight.T`, rounded once (as `torch.addmm`, which a fused layer used before)."""
     rows = residual.reshape(-1, residual.shape[-1])
     return torch.addmm(rows, x.reshape(-1, x.shape[-1]), weight.t()).reshape(residual.shape)
 

@@ -1,4 +1,4 @@
-"""Llama's RMSNorm in one launch, for a fused draft layer (`hf_vegas.fused_layers`): the first layer's input norm, and
+"""Llama's RMSNorm in one launch, for a fused layer (`hf_vegas.fused_layers`): the first layer's input norm, and
 every norm where they cannot ride in the projections (fp16, or a hidden size no block of 16 divides).
 
 Uncompiled, the model's own RMSNorm is six small PyTorch kernels (compiled, one inductor kernel). Elsewhere a fused

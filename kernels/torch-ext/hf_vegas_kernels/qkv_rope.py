@@ -1,4 +1,4 @@
-"""A fused draft layer's q/k/v projection, rotary embedding and cache write in one launch (`hf_vegas.fused_layers`),
+"""A fused layer's q/k/v projection, rotary embedding and cache write in one launch (`hf_vegas.fused_layers`),
 and for weights too large for that launch the same after a projection of its own.
 
 Separately these were two launches per layer (`linear_ops.qkv_linear`, then a rotary + cache-write kernel): 5.9 us at a
