@@ -303,8 +303,9 @@ def test_each_layer_hands_the_next_its_norm_input(monkeypatch):
     graphs = []
 
     def count_launches(gm, example_inputs):  # the compiled step's graph: its norm launches and table copies
-        graphs.append(tuple(sum(node.target is op for node in gm.graph.nodes) for op in (
-            torch.ops.hf_vegas.rms_norm.default, torch.ops.hf_vegas.rotary_tables.default)))
+        # (by name: loading the Hub folder, as another test of the process may have, registers the ops once more)
+        graphs.append(tuple(sum(str(node.target) == name for node in gm.graph.nodes) for name in (
+            "hf_vegas.rms_norm.default", "hf_vegas.rotary_tables.default")))
         return gm.forward
 
     torch._dynamo.reset()
