@@ -173,12 +173,14 @@ def test_a_fused_draft_step_computes_what_the_model_s_layers_compute(monkeypatch
         assert_fp32_close(layer.values, values)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch,compiled", [("llama", False), ("qwen3", False), ("llama", True)])
 @pytest.mark.parametrize("mode", ["verify", "decode"])
-def test_a_fused_verification_or_dense_step_computes_what_the_model_s_layers_compute(monkeypatch, arch, mode):
+def test_a_fused_verification_or_dense_step_computes_what_the_model_s_layers_compute(monkeypatch, arch, compiled,
+                                                                                     mode):
     """A verification of 3 tokens per row (with the selection it yields) and a dense step, over the same cache,
-    through the model's own layers and through the fused ones: the same logits (fp32, up to summation order), the same
-    keys and values written, and (verification) the same next selection; the fused launches do run."""
+    through the model's own layers and through the fused ones (eager, or traced whole by `torch.compile`): the same
+    logits (fp32, up to summation order), the same keys and values written, and (verification) the same next
+    selection; the fused launches do run."""
     monkeypatch.setattr(fused_module, "FULL_STEP_MIN_BATCH", 1)  # (a batch of 2 rows)
     launches = []
     original = kernels.qkv_rope_write
@@ -191,12 +193,17 @@ def test_a_fused_verification_or_dense_step_computes_what_the_model_s_layers_com
     tokens = torch.tensor([[5, 9, 2], [7, 1, 3]], device=DEVICE)[:, :3 if mode == "verify" else 1]
     sel = cache.selection
 
-    def step():
+    def step(traced=False):
         if mode == "verify":
             runner.arm_verification()
         else:
             cache.begin("decode")
-        logits = runner.call_model(tokens, tokens.shape[1])
+        if traced:
+            torch._dynamo.reset()
+            logits = torch.compile(runner._run_model, fullgraph=True, backend="eager", dynamic=False)(
+                tokens, tokens.shape[1], None)
+        else:
+            logits = runner.call_model(tokens, tokens.shape[1])
         return logits, sel.sel_idx.clone(), sel.sel_count.clone()
 
     with torch.no_grad(), vegas_attention(model), active_cache(cache):
@@ -214,7 +221,7 @@ def test_a_fused_verification_or_dense_step_computes_what_the_model_s_layers_com
             layer.values[rows, slots] = NAN
         with fused_layers(model, cache) as fused:
             assert fused == model.config.num_hidden_layers
-            got, got_idx, got_count = step()
+            got, got_idx, got_count = step(traced=compiled)
     assert launches == [tokens.shape[1]] * model.config.num_hidden_layers
     assert_fp32_close(got, want)
     for layer, (keys, values) in zip(cache.layers, written):
