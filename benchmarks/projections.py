@@ -152,7 +152,7 @@ def sweep(shape: str, rows: int, only: list[str] | None = None, grid: dict | Non
                     continue  # the launcher clamps it to the rows: a duplicate of a smaller block
                 if kind == "qkv_rope" and setting["block_n"] != grid["block_n"][0]:
                     continue  # a program owns one head: no column block to choose
-                entry = _tuning_kind(op, rows, sets[0])  # what the launcher takes for these weights
+                entry = _tuning_kind(op, sets[0])  # what the launcher takes for these weights
                 _launch.LINEAR_TUNING[entry] = setting
                 records.append(dict(shape=shape, rows=rows, op=op, setting=setting, cublas_us=cublas_us,
                                     tuning_kind=entry,
@@ -226,8 +226,9 @@ def _grid(overrides: list[str]) -> dict:
     return grid
 
 
-def _tuning_kind(op: str, rows: int, weights: list[torch.Tensor]) -> str:
-    """The `LINEAR_TUNING` entry the launcher takes for `op` at these rows and weights ("qkv_rope": its own)."""
+def _tuning_kind(op: str, weights: list[torch.Tensor]) -> str:
+    """The `LINEAR_TUNING` entry the launcher takes for `op` with these weights, at any row count ("qkv_rope": its
+    own)."""
     from hf_vegas_kernels import linear
 
     kind = op.split("(")[0]

@@ -60,11 +60,11 @@ Which layers: the decoder layer, its attention and its norms run exactly the cod
 (compared as source text against the installed release, so a model whose code differs in anything, a bias on the
 output projection, a soft cap, another rotary convention, keeps its own forward), or Qwen3's attention, with plain
 `nn.Linear` projections (`fused_layer_parts`), in draft steps of few enough rows for the one-launch kernels to pay
-(`fused_projections._max_rows`: any draft of small weights, a few rows of large ones) and the verification and
-dense steps above, no hooks, and full
-attention in this generation (sliding-window layers keep their window). Everything else, and every prefill, runs
-the model's own forward. Instance `forward` attributes are removed when the block exits. Every kernel is a
-`torch.library` custom op, so a compiled step (`vegas_compile`) traces the fused layer with the rest.
+(`fused_projections._max_rows`: any draft of small weights, a few rows of large ones) and the verification and dense
+steps above, no hooks, and full attention in this generation (sliding-window layers keep their window). Everything
+else, and every prefill, runs the model's own forward. Instance `forward` attributes are removed when the block
+exits. Every kernel is a `torch.library` custom op, so a compiled step (`vegas_compile`) traces the fused layer with
+the rest.
 """
 
 from __future__ import annotations
@@ -178,9 +178,9 @@ def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def fused_layers(model, cache):
-    """Inside the block, the decoder layers of `model` that `layer_parts` accepts run their draft steps, and their
-    narrow verification and dense steps, over `cache` as fused launches (Triton backend); every other forward runs as
-    before. Yields the number of layers fused."""
+    """Inside the block, the decoder layers of `model` that `layer_parts` accepts run their draft steps, and where
+    `_applies` says so their verification and dense steps, over `cache` as fused launches (Triton backend); every
+    other forward runs as before. Yields the number of layers fused."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     all_parts = {layer: parts for layer in decoder.modules() if (parts := layer_parts(layer)) is not None}
     link_norms(decoder, all_parts)
@@ -207,9 +207,9 @@ def fused_layers(model, cache):
 
 @contextlib.contextmanager
 def fused_steps(model, cache, enabled: bool):
-    """The fused layers (for draft steps and narrow verification and dense steps), and the one-launch projections of
-    the layers they do not cover (`fused_projections`, in draft steps only: elsewhere those layers keep the model's
-    own projections); a no-op context when not `enabled`. Yields the number of layers fused."""
+    """The fused layers (draft steps, and from `FULL_STEP_MIN_BATCH` rows on verification and dense steps), and the
+    one-launch projections of the layers they do not cover (`fused_projections`, in draft steps only: elsewhere those
+    layers keep the model's own projections); a no-op context when not `enabled`. Yields the number of layers fused."""
     if not enabled:
         yield 0
         return

@@ -182,4 +182,3 @@ def test_launch_settings_fit_in_shared_memory(kind, element_bytes, width):
         assert setting["num_stages"] < tuned["num_stages"]
     wide = linear._setting(kind, 4096, sizes, element_bytes, width)
     assert wide == {**setting, "block_m": tuned["block_m"]}, "any row count takes the same setting (rounds alike)"
-

@@ -86,9 +86,9 @@ FUSED_COMBINE_MAX_SPLITS = 8
 # Launch parameters of the projection kernels (`linear.py`) per op, at every row count (tuned at 64 rows: a draft or
 # dense step of 64 sequences). One setting whatever the rows: a fused verification of 64 x 7 rows then runs the very
 # tiles, with the same order of every sum, as the dense step of its 64 rows, and the two round alike
-# (`hf_vegas.fused_layers`; with a "generic" setting of 64-column blocks above 64 rows, until 7f5a89f, only 20 of 64
-# greedy rows matched). The row block is clamped to the rows (16 for a draft of 4). `block_n` is the
-# widest column block tried: a segment that it does not divide gets the next smaller one. Chosen on an H100 with
+# (`hf_vegas.fused_layers`; at de8f2e2, with a "generic" setting of 64-column blocks above 64 rows, only 20 of 64
+# greedy rows matched). The row block is clamped to the rows (16 for a draft of 4). `block_n` is the widest column
+# block tried: a segment that it does not divide gets the next smaller one. Chosen on an H100 with
 # `benchmarks/projections.py --sweep` (records in benchmarks/results/projections_sweep.jsonl): narrow column blocks
 # give SmolLM2's small weights enough programs (q/k/v 3.5 us and gate/up 5.5 us at 64 rows, from 5.4 and 9.3 with
 # 64-column blocks). The benchmark overrides them to sweep. Splitting K over more programs (the last of a tile's
@@ -119,9 +119,9 @@ LINEAR_TUNING = {
 # Shared memory a projection kernel's pipelined tiles may take (an H100 block has 227 KiB): fp32 inputs, or the two
 # tiles of the gated kernel, take fewer stages instead of failing to launch.
 LINEAR_SHARED_BYTES = 160 << 10
-# Above this many weight bytes a launch takes its kind's "_large" setting (the same
-# line as hf_vegas.fused_projections.MAX_WEIGHT_BYTES, above which a draft's output and down projections take the
-# kernel: in those it runs the "linear_large" setting).
+# Above this many weight bytes a launch takes its kind's "_large" setting (the same line as
+# hf_vegas.fused_projections.MAX_WEIGHT_BYTES, above which a draft's output and down projections take the kernel: in
+# those it runs the "linear_large" setting).
 LINEAR_LARGE_WEIGHT_BYTES = 16 << 20
 
 # Warps per program of the in-register top-k selection (`select.py`, one program per (layer, row)); 0: 4 for rows of
