@@ -243,7 +243,10 @@ def _default_setting(record: dict) -> dict:
     from hf_vegas_kernels import _launch
 
     setting = dict(_launch.LINEAR_TUNING[record["tuning_kind"]])
+    tall = {key: setting.pop(f"tall_{key}", 0) for key in _launch.LINEAR_TALL_KEYS}
     setting["block_m"] = min(setting["block_m"], max(16, 1 << (record["rows"] - 1).bit_length()))
+    if record["rows"] > setting["block_m"]:  # several row blocks: the kind's tall settings, as the launcher takes
+        setting.update({key: value for key, value in tall.items() if value})
     return setting
 
 

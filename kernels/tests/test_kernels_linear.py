@@ -177,8 +177,100 @@ def test_launch_settings_fit_in_shared_memory(kind, element_bytes, width):
     tuned = _launch.LINEAR_TUNING[f"{kind}_large" if large else kind]
     assert setting["block_n"] == tuned["block_n"] and setting["num_warps"] == tuned["num_warps"]
     if element_bytes == 2 and kind == "qkv" and not large:
-        assert setting == {**tuned, "block_n": 16}, "bf16 q/k/v fit as tuned"
+        assert setting == {**{key: tuned[key] for key in setting}, "block_n": 16}, "bf16 q/k/v fit as tuned"
     if element_bytes == 4 and kind == "gated":
         assert setting["num_stages"] < tuned["num_stages"]
     wide = linear._setting(kind, 4096, sizes, element_bytes, width)
-    assert wide == {**setting, "block_m": tuned["block_m"]}, "any row count takes the same setting (rounds alike)"
+    keeps_sums = ("block_m", "block_k", "num_warps") + (("block_n",) if kind == "linear" else ())
+    assert {key: wide[key] for key in keeps_sums} == {**{key: setting[key] for key in keeps_sums},
+                                                      "block_m": tuned["block_m"]}, "any row count sums alike"
+
+
+# A tall launch's own settings, as a test sets them: fewer stages (more programs per SM), wider column blocks.
+TALL = {"gated": {"tall_num_stages": 2, "tall_block_n": 64}, "qkv": {"tall_num_stages": 1, "tall_block_n": 32},
+        "linear": {"tall_num_stages": 2}, "qkv_rope": {"tall_num_stages": 2}}
+
+
+def _set_tall(monkeypatch, tall: bool) -> None:
+    from hf_vegas_kernels import _launch
+
+    for kind, keys in TALL.items():
+        values = {key: value if tall else 0 for key, value in keys.items()}
+        monkeypatch.setitem(_launch.LINEAR_TUNING, kind, {**_launch.LINEAR_TUNING[kind], **values})
+
+
+def test_only_tall_launches_take_the_tall_settings_and_never_other_sums(monkeypatch):
+    """A launch of more rows than one row block takes its kind's `tall_*` settings; one row block (a draft or dense
+    step of 64 sequences) keeps the tuned ones; nothing that orders a sum differs (row and K blocks; "linear"'s
+    column blocks, which are the next norm's partial sums, take no tall setting at all)."""
+    from hf_vegas_kernels import _launch, linear, qkv_rope
+
+    _set_tall(monkeypatch, True)
+    for kind in ("linear", "linear_large"):
+        assert "tall_block_n" not in _launch.LINEAR_TUNING[kind], "a linear's column blocks are its norm's partials"
+    assert set(_launch.LINEAR_TALL_KEYS) == {"num_stages", "block_n"}
+    for kind, sizes in (("gated", [1536, 1536]), ("qkv", [576, 192, 192]), ("linear", [576])):
+        one, tall = (linear._setting(kind, rows, sizes, 2, 576) for rows in (64, 448))
+        tuned = _launch.LINEAR_TUNING[kind]
+        assert one == {key: tuned[key] for key in one} and not any(key.startswith("tall") for key in one)
+        assert tall["num_stages"] == TALL[kind]["tall_num_stages"]
+        assert tall["block_n"] == TALL[kind].get("tall_block_n", tuned["block_n"])
+        assert {key: tall[key] for key in ("block_m", "block_k", "num_warps")} == {
+            key: one[key] for key in ("block_m", "block_k", "num_warps")}
+    assert linear.norm_partials(448, 576, torch.empty(448, 576)) == linear.norm_partials(64, 576, torch.empty(64, 576))
+    assert (qkv_rope._stages(16), qkv_rope._stages(448)) == (4, 2)
+
+
+@pytest.mark.parametrize("tall", [False, True])
+def test_tall_launch_settings_compute_the_same_products(monkeypatch, tall, poison):
+    """Under the tall settings (the GPU's column blocks, also in the interpreter) every projection kind computes
+    its reference's product over rows that span several row blocks, from NaN-poisoned outputs."""
+    from hf_vegas_kernels import linear
+
+    monkeypatch.setattr(linear, "INTERPRETER_BLOCK_N", 0)
+    _set_tall(monkeypatch, tall)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(70, 96, generator=gen).to(DEVICE)
+    weights = [torch.randn(n, 96, generator=gen).to(DEVICE) / 8 for n in (64, 64, 64)]
+    assert_fp32_close(kernels.grouped_linear(x, weights), naive.grouped_linear(x, weights))
+    residual, norm_weight = torch.randn(70, 64, generator=gen).to(DEVICE), torch.rand(64, generator=gen).to(DEVICE)
+    got, want = (ops.linear_residual_norm(x, weights[0], residual, norm_weight) for ops in (kernels, naive))
+    assert_fp32_close(got[0], want[0])
+    assert_fp32_close(got[2].sum(-1, keepdim=True), want[2])
+    w_gate, w_up = (torch.randn(128, 64, generator=gen).to(DEVICE) / 8 for _ in range(2))
+    assert_fp32_close(kernels.gated_linear(got[1], w_gate, w_up, "silu", got[2], 1e-5),
+                      naive.gated_linear(naive.rms_norm(want[0], norm_weight, 1e-5), w_gate, w_up, "silu"))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (the interpreter has no pipeline stages to change); "
+                                             "test_tall_launch_settings_compute_the_same_products covers it on CPU")
+def test_tall_launches_round_exactly_as_one_row_block_does(monkeypatch):
+    """bf16 at SmolLM2's widths and a verification's 64 x 7 rows: the tall settings give the very bits the tuned
+    settings give (so a fused verification rounds as the dense step of its rows), for the gated, output-with-norm
+    and q/k/v + rotary + cache-write launches."""
+    gen = torch.Generator().manual_seed(3)
+    bf16 = dict(dtype=torch.bfloat16, device=DEVICE)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(**bf16)
+
+    x, residual, attn = randn(448, 576), randn(448, 576), randn(64, 7, 576)
+    w_o, w_gate, w_up = randn(576, 576, scale=0.04), randn(1536, 576, scale=0.04), randn(1536, 576, scale=0.04)
+    wq, wk, wv = randn(576, 576, scale=0.04), randn(192, 576, scale=0.04), randn(192, 576, scale=0.04)
+    norm_weight = randn(576).abs() + 0.5
+    angles = torch.rand(64, 7, 32, generator=gen).to(DEVICE) * 6
+    cos, sin = (torch.cat([f(angles), f(angles)], -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    slots = torch.arange(7, device=DEVICE).repeat(64, 1) + 5
+
+    def run():
+        h, scaled, sumsq = kernels.linear_residual_norm(x, w_o, residual, norm_weight)
+        mlp = kernels.gated_linear(scaled, w_gate, w_up, "silu", sumsq, 1e-5)
+        caches = [torch.zeros(64, 16, 3, 64, **bf16) for _ in range(2)]
+        q = kernels.qkv_rope_write(attn, wq, wk, wv, None, None, None, cos, sin, *caches, slots, 9, 3, 64)
+        return h, scaled, sumsq, mlp, q, *caches
+
+    _set_tall(monkeypatch, False)
+    tuned = run()
+    _set_tall(monkeypatch, True)
+    for name, got, want in zip(("h", "scaled", "sumsq", "mlp", "q", "k", "v"), run(), tuned):
+        assert torch.equal(got, want), f"{name} rounds otherwise under the tall settings"

@@ -96,10 +96,17 @@ FUSED_COMBINE_MAX_SPLITS = 8
 # --grid` took `split_k_len=0,192,384,768`; H100, 64 rows: down 3.84 us unsplit against 4.2-5.9 split, output 2.52
 # against 3.5-4.8, gate/up 3.39 against 5.4-8.5): the merge's serial tail costs more than the narrower slices save. It
 # was dropped.
+#
+# `tall_*` (0: as above): what a tall launch, of more rows than one row block (a verification's 64 x 7), takes
+# instead, for more programs per SM. Only settings that leave every sum in its order may differ: the pipeline's
+# stages, and the column block of kinds whose outputs are independent per column (never "linear", whose column
+# blocks are the next RMSNorm's partial sums of squares).
 LINEAR_TUNING = {
-    "qkv": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
-    "gated": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
-    "linear": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
+    "qkv": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4, "tall_num_stages": 0,
+            "tall_block_n": 0},
+    "gated": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4, "tall_num_stages": 0,
+              "tall_block_n": 0},
+    "linear": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4, "tall_num_stages": 0},
     # Weights of more than LINEAR_LARGE_WEIGHT_BYTES (a launch's, gate and up together) are read for their bytes, not
     # their launch: wider column blocks and longer K steps stream them faster. Qwen3-8B's at 16 rows (H200, commit
     # b89507d, `projections.py --sweep --shapes qwen3-8b --rows 16 --grid block_m=16 block_n=16,32 block_k=128,256
@@ -109,13 +116,18 @@ LINEAR_TUNING = {
     # the best; in one TP = 2 process at 16 x 32K the draft step took 5.25 ms against 5.52 with the settings above.
     # (The rank's output projection, exactly 16 MiB, took the "linear" setting: 7.8 us against 6.4 for the best;
     # under TP that projection is row-parallel and runs cuBLAS, 7.4 us.)
-    "qkv_large": {"block_m": 64, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 4},
-    "gated_large": {"block_m": 64, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4},
-    "linear_large": {"block_m": 64, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 6},
+    "qkv_large": {"block_m": 64, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 4,
+                  "tall_num_stages": 0, "tall_block_n": 0},
+    "gated_large": {"block_m": 64, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4,
+                    "tall_num_stages": 0, "tall_block_n": 0},
+    "linear_large": {"block_m": 64, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 6,
+                     "tall_num_stages": 0},
     # q/k/v + rotary + cache write (`qkv_rope.py`): a program per (head, row block), so narrower row blocks make
     # the programs (SmolLM2 at 64 rows: 15 heads x 4 row blocks).
-    "qkv_rope": {"block_m": 16, "block_k": 128, "num_warps": 4, "num_stages": 4},
+    "qkv_rope": {"block_m": 16, "block_k": 128, "num_warps": 4, "num_stages": 4, "tall_num_stages": 0},
 }
+# The `tall_*` keys a projection setting may carry, without their prefix.
+LINEAR_TALL_KEYS = ("num_stages", "block_n")
 # Shared memory a projection kernel's pipelined tiles may take (an H100 block has 227 KiB): fp32 inputs, or the two
 # tiles of the gated kernel, take fewer stages instead of failing to launch.
 LINEAR_SHARED_BYTES = 160 << 10

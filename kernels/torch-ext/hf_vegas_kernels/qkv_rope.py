@@ -204,6 +204,14 @@ def _row_block(rows: int) -> int:
     return min(_launch.LINEAR_TUNING["qkv_rope"]["block_m"], max(16, triton.next_power_of_2(rows)))
 
 
+def _stages(rows: int) -> int:
+    """Pipeline stages of `qkv_rope_write`: a tall launch (several row blocks) may take its own, for more programs
+    per SM (the stages change when a tile's loads are issued, not the order of any sum)."""
+    setting = _launch.LINEAR_TUNING["qkv_rope"]
+    tall = rows > _row_block(rows) and setting.get("tall_num_stages", 0)
+    return tall or setting["num_stages"]
+
+
 def _cache_strides(q, k_cache, v_cache, slots) -> tuple:
     return (q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), slots.stride(0))
@@ -249,7 +257,7 @@ def qkv_rope_write(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
         EARLY_TRIGGER=_launch.pdl_option(x.device, "early_trigger"),
         PREFETCH=_launch.prefetch_weights(x.device, (wq, wk, wv)),
         K_LINES=lines(width, wq.element_size()),
-        num_warps=setting["num_warps"], num_stages=setting["num_stages"], **_launch.pdl_launch(x.device),
+        num_warps=setting["num_warps"], num_stages=_stages(batch * tokens), **_launch.pdl_launch(x.device),
     )
     return q
 
