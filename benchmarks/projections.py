@@ -245,7 +245,7 @@ def _default_setting(record: dict) -> dict:
     setting = dict(_launch.LINEAR_TUNING[record["tuning_kind"]])
     tall = {key: setting.pop(f"tall_{key}", 0) for key in _launch.LINEAR_TALL_KEYS}
     setting["block_m"] = min(setting["block_m"], max(16, 1 << (record["rows"] - 1).bit_length()))
-    if record["rows"] > setting["block_m"]:  # several row blocks: the kind's tall settings, as the launcher takes
+    if record["rows"] > _launch.LINEAR_TALL_ROWS:  # the kind's tall settings, as the launcher takes them
         setting.update({key: value for key, value in tall.items() if value})
     return setting
 

@@ -187,7 +187,7 @@ def test_launch_settings_fit_in_shared_memory(kind, element_bytes, width):
 
 
 # A tall launch's own settings, as a test sets them: fewer stages (more programs per SM), wider column blocks.
-TALL = {"gated": {"tall_num_stages": 2, "tall_block_n": 64}, "qkv": {"tall_num_stages": 1, "tall_block_n": 32},
+TALL = {"gated": {"tall_num_stages": 2, "tall_block_n": 32}, "qkv": {"tall_num_stages": 1, "tall_block_n": 32},
         "linear": {"tall_num_stages": 2}, "qkv_rope": {"tall_num_stages": 2}}
 
 
@@ -200,9 +200,9 @@ def _set_tall(monkeypatch, tall: bool) -> None:
 
 
 def test_only_tall_launches_take_the_tall_settings_and_never_other_sums(monkeypatch):
-    """A launch of more rows than one row block takes its kind's `tall_*` settings; one row block (a draft or dense
-    step of 64 sequences) keeps the tuned ones; nothing that orders a sum differs (row and K blocks; "linear"'s
-    column blocks, which are the next norm's partial sums, take no tall setting at all)."""
+    """A launch of more than 64 rows takes its kind's `tall_*` settings; a draft or dense step of 64 sequences keeps
+    the tuned ones; nothing that orders a sum differs (row and K blocks; "linear"'s column blocks, which are the next
+    norm's partial sums, take no tall setting at all)."""
     from hf_vegas_kernels import _launch, linear, qkv_rope
 
     _set_tall(monkeypatch, True)
@@ -218,7 +218,7 @@ def test_only_tall_launches_take_the_tall_settings_and_never_other_sums(monkeypa
         assert {key: tall[key] for key in ("block_m", "block_k", "num_warps")} == {
             key: one[key] for key in ("block_m", "block_k", "num_warps")}
     assert linear.norm_partials(448, 576, torch.empty(448, 576)) == linear.norm_partials(64, 576, torch.empty(64, 576))
-    assert (qkv_rope._stages(16), qkv_rope._stages(448)) == (4, 2)
+    assert (qkv_rope._stages(16), qkv_rope._stages(64), qkv_rope._stages(448)) == (4, 4, 2), "tall above 64 rows"
 
 
 @pytest.mark.parametrize("tall", [False, True])
@@ -269,8 +269,14 @@ def test_tall_launches_round_exactly_as_one_row_block_does(monkeypatch):
         q = kernels.qkv_rope_write(attn, wq, wk, wv, None, None, None, cos, sin, *caches, slots, 9, 3, 64)
         return h, scaled, sumsq, mlp, q, *caches
 
-    _set_tall(monkeypatch, False)
+    from hf_vegas_kernels import _launch
+
+    shipped = run()  # under the table's own tall settings
+    for kind, setting in _launch.LINEAR_TUNING.items():
+        monkeypatch.setitem(_launch.LINEAR_TUNING, kind, {key: 0 if key.startswith("tall_") else value
+                                                          for key, value in setting.items()})
     tuned = run()
     _set_tall(monkeypatch, True)
-    for name, got, want in zip(("h", "scaled", "sumsq", "mlp", "q", "k", "v"), run(), tuned):
-        assert torch.equal(got, want), f"{name} rounds otherwise under the tall settings"
+    for which, results in (("shipped", shipped), ("test's", run())):
+        for name, got, want in zip(("h", "scaled", "sumsq", "mlp", "q", "k", "v"), results, tuned):
+            assert torch.equal(got, want), f"{name} rounds otherwise under the {which} tall settings"

@@ -97,7 +97,7 @@ FUSED_COMBINE_MAX_SPLITS = 8
 # against 3.5-4.8, gate/up 3.39 against 5.4-8.5): the merge's serial tail costs more than the narrower slices save. It
 # was dropped.
 #
-# `tall_*` (0: as above): what a tall launch, of more rows than one row block (a verification's 64 x 7), takes
+# `tall_*` (0: as above): what a tall launch, of more than LINEAR_TALL_ROWS rows (a verification's 64 x 7), takes
 # instead, for more programs per SM. Only settings that leave every sum in its order may differ: the pipeline's
 # stages, and the column block of kinds whose outputs are independent per column (never "linear", whose column
 # blocks are the next RMSNorm's partial sums of squares).
@@ -126,8 +126,11 @@ LINEAR_TUNING = {
     # the programs (SmolLM2 at 64 rows: 15 heads x 4 row blocks).
     "qkv_rope": {"block_m": 16, "block_k": 128, "num_warps": 4, "num_stages": 4, "tall_num_stages": 0},
 }
-# The `tall_*` keys a projection setting may carry, without their prefix.
+# The `tall_*` keys a projection setting may carry, without their prefix, and the rows above which they apply: a
+# draft or dense step of up to 64 sequences keeps the settings tuned for it (at 64 rows q/k/v + rotary's 16-row
+# blocks are already four, and its two stages slowed the dense step).
 LINEAR_TALL_KEYS = ("num_stages", "block_n")
+LINEAR_TALL_ROWS = 64
 # Shared memory a projection kernel's pipelined tiles may take (an H100 block has 227 KiB): fp32 inputs, or the two
 # tiles of the gated kernel, take fewer stages instead of failing to launch.
 LINEAR_SHARED_BYTES = 160 << 10

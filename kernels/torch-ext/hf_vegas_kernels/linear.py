@@ -158,7 +158,7 @@ def _setting(kind: str, rows: int, sizes: list[int], element_bytes: int, k: int)
     tall = {key: setting.pop(f"tall_{key}", 0) for key in _launch.LINEAR_TALL_KEYS}
     # No wider row block than the rows need (a draft of 4 sequences computes a 16-row tile, not 64).
     setting["block_m"] = min(setting["block_m"], max(16, triton.next_power_of_2(rows)))
-    if rows > setting["block_m"]:  # a tall launch (a verification's 64 x 7 rows): more programs, the same sums
+    if rows > _launch.LINEAR_TALL_ROWS:  # a tall launch (a verification's 64 x 7 rows): more programs, same sums
         setting.update({key: value for key, value in tall.items() if value})
     setting["block_n"] = block_n_for(*sizes, widest=setting["block_n"])
 

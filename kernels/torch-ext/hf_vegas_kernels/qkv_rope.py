@@ -205,10 +205,10 @@ def _row_block(rows: int) -> int:
 
 
 def _stages(rows: int) -> int:
-    """Pipeline stages of `qkv_rope_write`: a tall launch (several row blocks) may take its own, for more programs
-    per SM (the stages change when a tile's loads are issued, not the order of any sum)."""
+    """Pipeline stages of `qkv_rope_write`: a tall launch (more than `_launch.LINEAR_TALL_ROWS` rows) may take its
+    own, for more programs per SM (the stages change when a tile's loads are issued, not the order of any sum)."""
     setting = _launch.LINEAR_TUNING["qkv_rope"]
-    tall = rows > _row_block(rows) and setting.get("tall_num_stages", 0)
+    tall = rows > _launch.LINEAR_TALL_ROWS and setting.get("tall_num_stages", 0)
     return tall or setting["num_stages"]
 
 
