@@ -84,8 +84,8 @@ TUNING = {
 FUSED_COMBINE_MAX_SPLITS = 8
 
 # Launch parameters of the projection kernels (`linear.py`) per op, at every row count (tuned at 64 rows: a draft or
-# dense step of 64 sequences). One setting whatever the rows: a fused verification of 64 x 7 rows then runs the very
-# tiles, with the same order of every sum, as the dense step of its 64 rows, and the two round alike
+# dense step of 64 sequences). One order of every sum whatever the rows (only the `tall_*` keys below differ): a
+# fused verification of 64 x 7 rows then rounds as the dense step of its 64 rows
 # (`hf_vegas.fused_layers`; at de8f2e2, with a "generic" setting of 64-column blocks above 64 rows, only 20 of 64
 # greedy rows matched). The row block is clamped to the rows (16 for a draft of 4). `block_n` is the widest column
 # block tried: a segment that it does not divide gets the next smaller one. Chosen on an H100 with
