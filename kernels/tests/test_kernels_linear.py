@@ -217,7 +217,16 @@ def test_only_tall_launches_take_the_tall_settings_and_never_other_sums(monkeypa
         assert tall["block_n"] == TALL[kind].get("tall_block_n", tuned["block_n"])
         assert {key: tall[key] for key in ("block_m", "block_k", "num_warps")} == {
             key: one[key] for key in ("block_m", "block_k", "num_warps")}
+    monkeypatch.setattr(linear, "INTERPRETER_BLOCK_N", 0)  # the GPU's column blocks, also in the interpreter
     assert linear.norm_partials(448, 576, torch.empty(448, 576)) == linear.norm_partials(64, 576, torch.empty(64, 576))
+    # A tall tile that needs more shared memory takes fewer stages, never a shorter K step; one that fits in none
+    # (fp32 gate/up at 128 columns) keeps the short launches' setting.
+    monkeypatch.setitem(_launch.LINEAR_TUNING, "gated", {**_launch.LINEAR_TUNING["gated"], "tall_block_n": 128,
+                                                         "tall_num_stages": 4})
+    one, tall = (linear._setting("gated", rows, [1536, 1536], 2, 576) for rows in (64, 448))
+    assert (tall["block_k"], tall["block_n"], tall["num_stages"]) == (one["block_k"], 128, 1)
+    one, tall = (linear._setting("gated", rows, [1536, 1536], 4, 576) for rows in (64, 448))
+    assert tall == one
     assert (qkv_rope._stages(16), qkv_rope._stages(64), qkv_rope._stages(448)) == (4, 4, 2), "tall above 64 rows"
 
 
@@ -242,41 +251,52 @@ def test_tall_launch_settings_compute_the_same_products(monkeypatch, tall, poiso
                       naive.gated_linear(naive.rms_norm(want[0], norm_weight, 1e-5), w_gate, w_up, "silu"))
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (the interpreter has no pipeline stages to change); "
-                                             "test_tall_launch_settings_compute_the_same_products covers it on CPU")
-def test_tall_launches_round_exactly_as_one_row_block_does(monkeypatch):
-    """bf16 at SmolLM2's widths and a verification's 64 x 7 rows: the tall settings give the very bits the tuned
-    settings give (so a fused verification rounds as the dense step of its rows), for the gated, output-with-norm
-    and q/k/v + rotary + cache-write launches."""
-    gen = torch.Generator().manual_seed(3)
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU: bit equality of pipeline stages and column blocks "
+                    "is the GPU's (test_tall_launch_settings_compute_the_same_products checks the products on CPU)")
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_tall_launches_round_exactly_as_one_row_block_does(monkeypatch, seed):
+    """bf16 at SmolLM2's widths: a tall launch over a verification's 64 x 7 rows gives the very bits that seven
+    launches of 64 rows (a dense step's, on the tuned settings) give, for the output projection with the next
+    norm's partials and the gated MLP scaled by them, under the table's own tall settings and the test's; and
+    q/k/v + rotary + cache write with its input norm and head norms the same bits under either."""
+    from hf_vegas_kernels import _launch
+
+    gen = torch.Generator().manual_seed(seed)
     bf16 = dict(dtype=torch.bfloat16, device=DEVICE)
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(**bf16)
 
-    x, residual, attn = randn(448, 576), randn(448, 576), randn(64, 7, 576)
+    spread = 1 + seed % 3  # inputs of several magnitudes
+    x, residual, attn = randn(448, 576, scale=spread), randn(448, 576, scale=spread), randn(64, 7, 576)
     w_o, w_gate, w_up = randn(576, 576, scale=0.04), randn(1536, 576, scale=0.04), randn(1536, 576, scale=0.04)
     wq, wk, wv = randn(576, 576, scale=0.04), randn(192, 576, scale=0.04), randn(192, 576, scale=0.04)
-    norm_weight = randn(576).abs() + 0.5
+    norm_weight, q_norm, k_norm = randn(576).abs() + 0.5, randn(64).abs() + 0.5, randn(64).abs() + 0.5
     angles = torch.rand(64, 7, 32, generator=gen).to(DEVICE) * 6
     cos, sin = (torch.cat([f(angles), f(angles)], -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
     slots = torch.arange(7, device=DEVICE).repeat(64, 1) + 5
 
-    def run():
-        h, scaled, sumsq = kernels.linear_residual_norm(x, w_o, residual, norm_weight)
-        mlp = kernels.gated_linear(scaled, w_gate, w_up, "silu", sumsq, 1e-5)
+    def mlp_half(rows: slice):
+        h, scaled, sumsq = kernels.linear_residual_norm(x[rows], w_o, residual[rows], norm_weight)
+        return h, scaled, sumsq, kernels.gated_linear(scaled, w_gate, w_up, "silu", sumsq, 1e-5)
+
+    def attention_half():
+        sumsq = kernels.linear_residual_norm(x, w_o, residual, norm_weight)[2]
         caches = [torch.zeros(64, 16, 3, 64, **bf16) for _ in range(2)]
-        q = kernels.qkv_rope_write(attn, wq, wk, wv, None, None, None, cos, sin, *caches, slots, 9, 3, 64)
-        return h, scaled, sumsq, mlp, q, *caches
+        q = kernels.qkv_rope_write(attn, wq, wk, wv, None, None, None, cos, sin, *caches, slots, 9, 3, 64, sumsq,
+                                   1e-5, q_norm, k_norm, 1e-6)
+        return q, *caches
 
-    from hf_vegas_kernels import _launch
-
-    shipped = run()  # under the table's own tall settings
+    blocks = [mlp_half(slice(i, i + 64)) for i in range(0, 448, 64)]  # 64 rows each: not tall
+    dense = [torch.cat(parts) for parts in zip(*blocks)]
+    shipped = mlp_half(slice(None)), attention_half()  # the table's own tall settings
     for kind, setting in _launch.LINEAR_TUNING.items():
         monkeypatch.setitem(_launch.LINEAR_TUNING, kind, {key: 0 if key.startswith("tall_") else value
                                                           for key, value in setting.items()})
-    tuned = run()
+    tuned_attention = attention_half()
     _set_tall(monkeypatch, True)
-    for which, results in (("shipped", shipped), ("test's", run())):
-        for name, got, want in zip(("h", "scaled", "sumsq", "mlp", "q", "k", "v"), results, tuned):
+    for which, (mlp, attention) in (("shipped", shipped), ("test's", (mlp_half(slice(None)), attention_half()))):
+        for name, got, want in zip(("h", "scaled", "sumsq", "mlp"), mlp, dense):
+            assert torch.equal(got, want), f"{name} of 448 rows rounds unlike 7 x 64 under the {which} settings"
+        for name, got, want in zip(("q", "k", "v"), attention, tuned_attention):
             assert torch.equal(got, want), f"{name} rounds otherwise under the {which} tall settings"

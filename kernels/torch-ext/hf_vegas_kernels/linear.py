@@ -158,19 +158,30 @@ def _setting(kind: str, rows: int, sizes: list[int], element_bytes: int, k: int)
     tall = {key: setting.pop(f"tall_{key}", 0) for key in _launch.LINEAR_TALL_KEYS}
     # No wider row block than the rows need (a draft of 4 sequences computes a 16-row tile, not 64).
     setting["block_m"] = min(setting["block_m"], max(16, triton.next_power_of_2(rows)))
-    if rows > _launch.LINEAR_TALL_ROWS:  # a tall launch (a verification's 64 x 7 rows): more programs, same sums
-        setting.update({key: value for key, value in tall.items() if value})
     setting["block_n"] = block_n_for(*sizes, widest=setting["block_n"])
+    _fit_shared_memory(kind, setting, element_bytes, shrink_k=True)
+    if rows > _launch.LINEAR_TALL_ROWS and any(tall.values()):  # a tall launch (a verification's 64 x 7 rows)
+        taller = {**setting, "num_stages": tall["num_stages"] or setting["num_stages"],
+                  "block_n": block_n_for(*sizes, widest=tall["block_n"] or setting["block_n"])}
+        # More programs, the same sums: the K block stays the short launches' (a tall tile that does not fit takes
+        # fewer stages, never a shorter K step, which would split the products' sums otherwise).
+        if _fit_shared_memory(kind, taller, element_bytes, shrink_k=False):
+            setting = taller
+    return setting
 
+
+def _fit_shared_memory(kind: str, setting: dict, element_bytes: int, shrink_k: bool) -> bool:
+    """Take pipeline stages (then, with `shrink_k`, halve the K block) from `setting` until its tiles fit in
+    `_launch.LINEAR_SHARED_BYTES`; whether they fit."""
     def shared_bytes():  # x and weight tiles per pipeline stage, twice for gate and up
         tile = (setting["block_m"] + setting["block_n"]) * setting["block_k"] * element_bytes
         return setting["num_stages"] * tile * (2 if kind == "gated" else 1)
 
     while shared_bytes() > _launch.LINEAR_SHARED_BYTES and setting["num_stages"] > 1:
         setting["num_stages"] -= 1
-    while shared_bytes() > _launch.LINEAR_SHARED_BYTES and setting["block_k"] > 16:
+    while shrink_k and shared_bytes() > _launch.LINEAR_SHARED_BYTES and setting["block_k"] > 16:
         setting["block_k"] //= 2
-    return setting
+    return shared_bytes() <= _launch.LINEAR_SHARED_BYTES
 
 
 def _column_block(setting: dict, sizes: list[int], device: torch.device) -> int:
