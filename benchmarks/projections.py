@@ -238,8 +238,9 @@ def _tuning_kind(op: str, weights: list[torch.Tensor]) -> str:
 
 
 def _default_setting(record: dict) -> dict:
-    """The launch setting the kernels take now for a sweep record's op and rows (a row block clamped to the rows, and
-    above `LINEAR_TALL_ROWS` the kind's tall settings, as the launcher takes them)."""
+    """The launch setting the kernels take now for a sweep record's op and rows: a row block clamped to the rows, and
+    above `LINEAR_TALL_ROWS` the kind's tall settings (not narrowed to the segments or fitted to shared memory, as
+    `linear._setting` does for a launch)."""
     from hf_vegas_kernels import _launch
 
     setting = dict(_launch.LINEAR_TUNING[record["tuning_kind"]])

@@ -98,20 +98,20 @@ FUSED_COMBINE_MAX_SPLITS = 8
 # was dropped.
 #
 # `tall_*` (0: as above): what a tall launch, of more than LINEAR_TALL_ROWS rows (a verification's 64 x 7), takes
-# instead, for more programs per SM. Only settings that keep every sum in its order may differ: the pipeline's
-# stages (the K block never: a tall tile that does not fit takes fewer stages or stays short), and a column block
-# that the GPU test (`test_tall_launches_round_exactly_as_one_row_block_does`) shows to give the same bits, of kinds
-# whose outputs are independent per column (never "linear", whose column blocks are the next RMSNorm's partial
-# sums of squares). That test is the judge, not the reasoning: 64-column gate/up blocks rounded two of 448 x 1536
-# row-scaled products otherwise on an H200 (plain products and 32-column blocks matched), although the row scale's
-# reduction has the same layout and the epilogue the same per-element PTX at 16, 32 and 64 columns (Triton 3.6,
-# compiled for sm_90). A gate/up launch at 448 rows has 672 programs of 64 x 16 with four stages (160 KiB: one per
-# SM); with 32-column blocks and two stages (96 KiB) it took 8.2 against 13.6 us alone (`projections.py --sweep
-# --shapes smollm2-135m --rows 448`, H200, 287af3c; 64-column blocks 9.0), and the verification 5.94 -> 5.71 ms per
-# SmolLM2 64 x 7.5K iteration, 64 of 64 greedy rows still equal to the dense path's (`throughput.py ...
-# --tuning-sets "" "gated:tall_block_n=32 gated:tall_num_stages=2"`, 0f4529589, one call; 64 of 64 also in the
-# two other generations run with it). Two stages for q/k/v + rotary (8.0 against 9.4 us alone at 448 rows) changed
-# nothing in that run (5.70 ms).
+# instead, for more programs per SM. Only settings that keep every sum in its order may differ: the pipeline's stages
+# (the K block never: a tall tile that does not fit takes fewer stages or stays short), and a column block that the GPU
+# test (`test_tall_launches_round_exactly_as_one_row_block_does`) shows to give the same bits, of kinds whose outputs
+# are independent per column (never "linear", whose column blocks are the next RMSNorm's partial sums of squares). That
+# test is the judge, not the reasoning: 64-column gate/up blocks rounded two of 448 x 1536 row-scaled products
+# otherwise on an H200 (plain products and 32-column blocks matched), although the row scale's reduction has the same
+# layout and the epilogue the same per-element PTX at 16, 32 and 64 columns (compiled for sm_90 with Triton 3.6, the
+# H200's, and 3.9; `triton.compile(..., target=GPUTarget("cuda", 90, 32))`). A gate/up launch at 448 rows has 672
+# programs of 64 x 16 with four stages (160 KiB: one per SM); with 32-column blocks and two stages (96 KiB) it took 8.2
+# against 13.6 us alone (`projections.py --sweep --shapes smollm2-135m --rows 448`, H200, 287af3c; 64-column blocks
+# 9.0), and the verification 5.94 -> 5.71 ms per SmolLM2 64 x 7.5K iteration, 64 of 64 greedy rows still equal to the
+# dense path's (`throughput.py ... --tuning-sets "" "gated:tall_block_n=32 gated:tall_num_stages=2"`, 0f4529589, one
+# call; 64 of 64 also in the two other generations run with it). Two stages for q/k/v + rotary (8.0 against 9.4 us
+# alone at 448 rows) changed nothing in that run (5.70 ms).
 LINEAR_TUNING = {
     "qkv": {"block_m": 64, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4, "tall_num_stages": 0,
             "tall_block_n": 0},

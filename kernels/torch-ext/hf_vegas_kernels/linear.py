@@ -163,6 +163,9 @@ def _setting(kind: str, rows: int, sizes: list[int], element_bytes: int, k: int)
     if rows > _launch.LINEAR_TALL_ROWS and any(tall.values()):  # a tall launch (a verification's 64 x 7 rows)
         taller = {**setting, "num_stages": tall["num_stages"] or setting["num_stages"],
                   "block_n": block_n_for(*sizes, widest=tall["block_n"] or setting["block_n"])}
+        if taller["block_n"] is None:
+            raise ValueError(f"LINEAR_TUNING[{tuning_kind(kind, weight_bytes)!r}]['tall_block_n'] = "
+                             f"{tall['block_n']}: a column block is 16 or more")
         # More programs, the same sums: the K block stays the short launches' (a tall tile that does not fit takes
         # fewer stages, never a shorter K step, which would split the products' sums otherwise).
         if _fit_shared_memory(kind, taller, element_bytes, shrink_k=False):
