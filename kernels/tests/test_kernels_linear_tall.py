@@ -42,14 +42,17 @@ def test_only_tall_launches_take_the_tall_settings_and_never_other_sums(monkeypa
             key: one[key] for key in ("block_m", "block_k", "num_warps")}
     monkeypatch.setattr(linear, "INTERPRETER_BLOCK_N", 0)  # the GPU's column blocks, also in the interpreter
     assert linear.norm_partials(448, 576, torch.empty(448, 576)) == linear.norm_partials(64, 576, torch.empty(64, 576))
-    # A tall tile that needs more shared memory takes fewer stages, never a shorter K step; one that fits in none
-    # (fp32 gate/up at 128 columns) keeps the short launches' setting.
-    monkeypatch.setitem(_launch.LINEAR_TUNING, "gated", {**_launch.LINEAR_TUNING["gated"], "tall_block_n": 128,
+    # A tall tile that needs more shared memory takes fewer stages, never a shorter K step; one that fits in fewer
+    # than two (bf16 gate/up at 128 columns, fp32 at 32) keeps the short launches' setting.
+    monkeypatch.setitem(_launch.LINEAR_TUNING, "gated", {**_launch.LINEAR_TUNING["gated"], "tall_block_n": 64,
                                                          "tall_num_stages": 4})
     one, tall = (linear._setting("gated", rows, [1536, 1536], 2, 576) for rows in (64, 448))
-    assert (tall["block_k"], tall["block_n"], tall["num_stages"]) == (one["block_k"], 128, 1)
-    one, tall = (linear._setting("gated", rows, [1536, 1536], 4, 576) for rows in (64, 448))
-    assert tall == one
+    assert (tall["block_k"], tall["block_n"], tall["num_stages"]) == (one["block_k"], 64, 2)
+    for element_bytes, block_n in ((2, 128), (4, 32)):
+        monkeypatch.setitem(_launch.LINEAR_TUNING, "gated", {**_launch.LINEAR_TUNING["gated"],
+                                                             "tall_block_n": block_n})
+        one, tall = (linear._setting("gated", rows, [1536, 1536], element_bytes, 576) for rows in (64, 448))
+        assert tall == one
     monkeypatch.setitem(_launch.LINEAR_TUNING, "gated", {**_launch.LINEAR_TUNING["gated"], "tall_block_n": 8})
     with pytest.raises(ValueError, match="tall_block_n'] = 8: a column block is 16 or more"):
         linear._setting("gated", 448, [1536, 1536], 2, 576)

@@ -167,20 +167,21 @@ def _setting(kind: str, rows: int, sizes: list[int], element_bytes: int, k: int)
             raise ValueError(f"LINEAR_TUNING[{tuning_kind(kind, weight_bytes)!r}]['tall_block_n'] = "
                              f"{tall['block_n']}: a column block is 16 or more")
         # More programs, the same sums: the K block stays the short launches' (a tall tile that does not fit takes
-        # fewer stages, never a shorter K step, which would split the products' sums otherwise).
-        if _fit_shared_memory(kind, taller, element_bytes, shrink_k=False):
+        # fewer stages, never a shorter K step, which would split the products' sums otherwise), and one stage was
+        # the slowest at every column block at 448 rows (`projections.py --sweep`): then the launch stays short.
+        if _fit_shared_memory(kind, taller, element_bytes, shrink_k=False, min_stages=2):
             setting = taller
     return setting
 
 
-def _fit_shared_memory(kind: str, setting: dict, element_bytes: int, shrink_k: bool) -> bool:
-    """Take pipeline stages (then, with `shrink_k`, halve the K block) from `setting` until its tiles fit in
-    `_launch.LINEAR_SHARED_BYTES`; whether they fit."""
+def _fit_shared_memory(kind: str, setting: dict, element_bytes: int, shrink_k: bool, min_stages: int = 1) -> bool:
+    """Take pipeline stages down to `min_stages` (then, with `shrink_k`, halve the K block) from `setting` until its
+    tiles fit in `_launch.LINEAR_SHARED_BYTES`; whether they fit."""
     def shared_bytes():  # x and weight tiles per pipeline stage, twice for gate and up
         tile = (setting["block_m"] + setting["block_n"]) * setting["block_k"] * element_bytes
         return setting["num_stages"] * tile * (2 if kind == "gated" else 1)
 
-    while shared_bytes() > _launch.LINEAR_SHARED_BYTES and setting["num_stages"] > 1:
+    while shared_bytes() > _launch.LINEAR_SHARED_BYTES and setting["num_stages"] > min_stages:
         setting["num_stages"] -= 1
     while shrink_k and shared_bytes() > _launch.LINEAR_SHARED_BYTES and setting["block_k"] > 16:
         setting["block_k"] //= 2
