@@ -229,18 +229,18 @@ def _grid(overrides: list[str]) -> dict:
 def _tuning_kind(op: str, weights: list[torch.Tensor]) -> str:
     """The `LINEAR_TUNING` entry the launcher takes for `op` with these weights, at any row count ("qkv_rope": its
     own)."""
-    from hf_vegas_kernels import linear
+    from hf_vegas_kernels import linear_settings
 
     kind = op.split("(")[0]
     if kind == "qkv_rope":
         return kind
-    return linear.tuning_kind(kind, sum(w.numel() * w.element_size() for w in weights))
+    return linear_settings.tuning_kind(kind, sum(w.numel() * w.element_size() for w in weights))
 
 
 def _default_setting(record: dict) -> dict:
     """The launch setting the kernels take now for a sweep record's op and rows: a row block clamped to the rows, and
     above `LINEAR_TALL_ROWS` the kind's tall settings (not narrowed to the segments or fitted to shared memory, as
-    `linear._setting` does for a launch)."""
+    `linear_settings.launch_setting` does for a launch)."""
     from hf_vegas_kernels import _launch
 
     setting = dict(_launch.LINEAR_TUNING[record["tuning_kind"]])

@@ -29,14 +29,15 @@ def test_grouped_linear_matches_reference(rows, with_bias):
 def test_large_weight_settings_compute_the_same_product(monkeypatch, kind):
     """The "_large" launch settings (wide column blocks, a K block longer than this K, deep pipelines), taken here by
     small weights with the threshold at 0, on rows that fill one tile and part of another."""
-    from hf_vegas_kernels import _launch, linear
+    from hf_vegas_kernels import _launch, linear, linear_settings
 
     monkeypatch.setattr(linear, "INTERPRETER_BLOCK_N", 0)  # the tuned setting, also in the interpreter
     monkeypatch.setattr(_launch, "LINEAR_LARGE_WEIGHT_BYTES", 0)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(19, 96, generator=gen).to(DEVICE)
     weights = [torch.randn(n, 96, generator=gen).to(DEVICE) for n in (64, 32, 32)]
-    assert linear._setting(kind, 19, [64], 4, 96)["block_n"] == _launch.LINEAR_TUNING[f"{kind}_large"]["block_n"]
+    large = _launch.LINEAR_TUNING[f"{kind}_large"]
+    assert linear_settings.launch_setting(kind, 19, [64], 4, 96)["block_n"] == large["block_n"]
     if kind == "gated":
         got, want = kernels.gated_linear(x, weights[1], weights[2], "silu"), naive.gated_linear(
             x, weights[1], weights[2], "silu")
@@ -165,10 +166,10 @@ def test_launch_settings_fit_in_shared_memory(kind, element_bytes, width):
     """fp32 inputs, and the gated kernel's two tiles, take fewer pipeline stages rather than failing to launch on a
     GPU (the tuned bf16 setting would need more shared memory than a block has); weights of more than
     `LINEAR_LARGE_WEIGHT_BYTES` take their kind's "_large" setting."""
-    from hf_vegas_kernels import _launch, linear
+    from hf_vegas_kernels import _launch, linear_settings
 
     sizes = [3072, 3072] if kind == "gated" else [3072]
-    setting = linear._setting(kind, 64, sizes, element_bytes, width)
+    setting = linear_settings.launch_setting(kind, 64, sizes, element_bytes, width)
     tile = (setting["block_m"] + setting["block_n"]) * setting["block_k"] * element_bytes
     used = setting["num_stages"] * tile * (2 if kind == "gated" else 1)
     assert used <= _launch.LINEAR_SHARED_BYTES and setting["num_stages"] >= 1
@@ -180,7 +181,7 @@ def test_launch_settings_fit_in_shared_memory(kind, element_bytes, width):
         assert setting == {**{key: tuned[key] for key in setting}, "block_n": 16}, "bf16 q/k/v fit as tuned"
     if element_bytes == 4 and kind == "gated":
         assert setting["num_stages"] < tuned["num_stages"]
-    wide = linear._setting(kind, 4096, sizes, element_bytes, width)
+    wide = linear_settings.launch_setting(kind, 4096, sizes, element_bytes, width)
     keeps_sums = ("block_m", "block_k", "num_warps") + (("block_n",) if kind == "linear" else ())
     assert {key: wide[key] for key in keeps_sums} == {**{key: setting[key] for key in keeps_sums},
                                                       "block_m": tuned["block_m"]}, "any row count sums alike"

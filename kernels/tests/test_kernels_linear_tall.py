@@ -26,14 +26,14 @@ def test_only_tall_launches_take_the_tall_settings_and_never_other_sums(monkeypa
     """A launch of more than 64 rows takes its kind's `tall_*` settings; a draft or dense step of 64 sequences keeps
     the tuned ones; nothing that orders a sum differs (row and K blocks; "linear"'s column blocks, which are the next
     norm's partial sums, take no tall setting at all)."""
-    from hf_vegas_kernels import _launch, linear, qkv_rope
+    from hf_vegas_kernels import _launch, linear, linear_settings, qkv_rope
 
     _set_tall(monkeypatch, True)
     for kind in ("linear", "linear_large"):
         assert "tall_block_n" not in _launch.LINEAR_TUNING[kind], "a linear's column blocks are its norm's partials"
     assert set(_launch.LINEAR_TALL_KEYS) == {"num_stages", "block_n"}
     for kind, sizes in (("gated", [1536, 1536]), ("qkv", [576, 192, 192]), ("linear", [576])):
-        one, tall = (linear._setting(kind, rows, sizes, 2, 576) for rows in (64, 448))
+        one, tall = (linear_settings.launch_setting(kind, rows, sizes, 2, 576) for rows in (64, 448))
         tuned = _launch.LINEAR_TUNING[kind]
         assert one == {key: tuned[key] for key in one} and not any(key.startswith("tall") for key in one)
         assert tall["num_stages"] == TALL[kind]["tall_num_stages"]
@@ -46,16 +46,20 @@ def test_only_tall_launches_take_the_tall_settings_and_never_other_sums(monkeypa
     # than two (bf16 gate/up at 128 columns, fp32 at 32) keeps the short launches' setting.
     monkeypatch.setitem(_launch.LINEAR_TUNING, "gated", {**_launch.LINEAR_TUNING["gated"], "tall_block_n": 64,
                                                          "tall_num_stages": 4})
-    one, tall = (linear._setting("gated", rows, [1536, 1536], 2, 576) for rows in (64, 448))
+    one, tall = (linear_settings.launch_setting("gated", rows, [1536, 1536], 2, 576) for rows in (64, 448))
     assert (tall["block_k"], tall["block_n"], tall["num_stages"]) == (one["block_k"], 64, 2)
     for element_bytes, block_n in ((2, 128), (4, 32)):
         monkeypatch.setitem(_launch.LINEAR_TUNING, "gated", {**_launch.LINEAR_TUNING["gated"],
                                                              "tall_block_n": block_n})
-        one, tall = (linear._setting("gated", rows, [1536, 1536], element_bytes, 576) for rows in (64, 448))
+        one, tall = (linear_settings.launch_setting("gated", rows, [1536, 1536], element_bytes, 576)
+                     for rows in (64, 448))
         assert tall == one
     monkeypatch.setitem(_launch.LINEAR_TUNING, "gated", {**_launch.LINEAR_TUNING["gated"], "tall_block_n": 8})
     with pytest.raises(ValueError, match="tall_block_n'] = 8: a column block is 16 or more"):
-        linear._setting("gated", 448, [1536, 1536], 2, 576)
+        linear_settings.launch_setting("gated", 448, [1536, 1536], 2, 576)
+    monkeypatch.setitem(_launch.LINEAR_TUNING, "linear", {**_launch.LINEAR_TUNING["linear"], "tall_block_n": 32})
+    with pytest.raises(ValueError, match="'linear'\\] takes no tall_block_n"):
+        linear_settings.launch_setting("linear", 64, [576], 2, 576)  # at any row count: refused at once
     assert (qkv_rope._stages(16), qkv_rope._stages(64), qkv_rope._stages(448)) == (4, 4, 2), "tall above 64 rows"
 
 

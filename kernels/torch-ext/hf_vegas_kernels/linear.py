@@ -14,7 +14,8 @@ weights is made, so the model is untouched and no memory is added):
   factor (`row_sumsq`): a fused layer's norms need no launch of their own (`hf_vegas.fused_layers`).
 
 A program owns `BLOCK_M` rows and `BLOCK_N` output columns that all lie in one weight (segment sizes are multiples
-of `BLOCK_N`), and accumulates in fp32. Block sizes, warps and stages per op: `_launch.LINEAR_TUNING`.
+of `BLOCK_N`), and accumulates in fp32. Block sizes, warps and stages per op: `_launch.LINEAR_TUNING`, as
+`linear_settings.launch_setting` applies it.
 Semantics: `naive.grouped_linear` / `gated_linear` / `linear_residual` / `linear_residual_norm`.
 """
 
@@ -26,6 +27,7 @@ import triton.language as tl
 
 from . import _launch
 from ._pdl import lines, prefetch_rows, release_dependents, wait_for_inputs
+from .linear_settings import block_n_for, launch_setting
 
 ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
 # Widest column block under Triton's CPU interpreter (0: the GPU settings, which tests of those settings ask for).
@@ -135,59 +137,6 @@ def _grouped_linear(
                  (rounded * norm_weight).to(Scaled.dtype.element_ty), mask=ok)
 
 
-def block_n_for(*sizes: int, widest: int = 64) -> int | None:
-    """The widest column block (at most `widest`) that divides every segment, or None (the projections then stay
-    separate)."""
-    for block in (128, 64, 32, 16):
-        if block <= widest and all(size % block == 0 for size in sizes):
-            return block
-    return None
-
-
-def tuning_kind(kind: str, weight_bytes: int) -> str:
-    """The `_launch.LINEAR_TUNING` entry a launch of `kind` ("qkv", "gated", "linear") over `weight_bytes` of weights
-    (all of the launch's) takes, at any row count."""
-    return f"{kind}_large" if weight_bytes > _launch.LINEAR_LARGE_WEIGHT_BYTES else kind
-
-
-def _setting(kind: str, rows: int, sizes: list[int], element_bytes: int, k: int) -> dict:
-    """Launch parameters of `kind` ("qkv", "gated", "linear") for `rows` rows, the weights' output segments `sizes`
-    (gated: gate's and up's) and inputs of `k` columns, from `_launch.LINEAR_TUNING`."""
-    weight_bytes = sum(sizes) * k * element_bytes
-    setting = dict(_launch.LINEAR_TUNING[tuning_kind(kind, weight_bytes)])
-    tall = {key: setting.pop(f"tall_{key}", 0) for key in _launch.LINEAR_TALL_KEYS}
-    # No wider row block than the rows need (a draft of 4 sequences computes a 16-row tile, not 64).
-    setting["block_m"] = min(setting["block_m"], max(16, triton.next_power_of_2(rows)))
-    setting["block_n"] = block_n_for(*sizes, widest=setting["block_n"])
-    _fit_shared_memory(kind, setting, element_bytes, shrink_k=True)
-    if rows > _launch.LINEAR_TALL_ROWS and any(tall.values()):  # a tall launch (a verification's 64 x 7 rows)
-        taller = {**setting, "num_stages": tall["num_stages"] or setting["num_stages"],
-                  "block_n": block_n_for(*sizes, widest=tall["block_n"] or setting["block_n"])}
-        if taller["block_n"] is None:
-            raise ValueError(f"LINEAR_TUNING[{tuning_kind(kind, weight_bytes)!r}]['tall_block_n'] = "
-                             f"{tall['block_n']}: a column block is 16 or more")
-        # More programs, the same sums: the K block stays the short launches' (a tall tile that does not fit takes
-        # fewer stages, never a shorter K step, which would split the products' sums otherwise), and one stage was
-        # the slowest at every column block at 448 rows (`projections.py --sweep`): then the launch stays short.
-        if _fit_shared_memory(kind, taller, element_bytes, shrink_k=False, min_stages=2):
-            setting = taller
-    return setting
-
-
-def _fit_shared_memory(kind: str, setting: dict, element_bytes: int, shrink_k: bool, min_stages: int = 1) -> bool:
-    """Take pipeline stages down to `min_stages` (then, with `shrink_k`, halve the K block) from `setting` until its
-    tiles fit in `_launch.LINEAR_SHARED_BYTES`; whether they fit."""
-    def shared_bytes():  # x and weight tiles per pipeline stage, twice for gate and up
-        tile = (setting["block_m"] + setting["block_n"]) * setting["block_k"] * element_bytes
-        return setting["num_stages"] * tile * (2 if kind == "gated" else 1)
-
-    while shared_bytes() > _launch.LINEAR_SHARED_BYTES and setting["num_stages"] > min_stages:
-        setting["num_stages"] -= 1
-    while shrink_k and shared_bytes() > _launch.LINEAR_SHARED_BYTES and setting["block_k"] > 16:
-        setting["block_k"] //= 2
-    return shared_bytes() <= _launch.LINEAR_SHARED_BYTES
-
-
 def _column_block(setting: dict, sizes: list[int], device: torch.device) -> int:
     # Triton's CPU interpreter (tests) pays per program: there the widest column block that fits, not the GPU's.
     if device.type != "cuda" and INTERPRETER_BLOCK_N:
@@ -210,7 +159,7 @@ def _launch_linear(kind, x2, weights, biases, out, act=0, residual=None, row_sum
     scaled, sumsq)` (with `residual`): also write `out * norm_weight` into `scaled` and each column block's sums of
     squares into `sumsq` `(M, blocks)`."""
     sizes = [w.shape[0] for w in weights]
-    setting = _setting(kind, x2.shape[0], sizes, x2.element_size(), x2.shape[1])
+    setting = launch_setting(kind, x2.shape[0], sizes, x2.element_size(), x2.shape[1])
     block_n = _column_block(setting, sizes, x2.device)
     gated = kind == "gated"
     out_cols = sizes[0] if gated else sum(sizes)
@@ -301,5 +250,5 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
 def norm_partials(rows: int, size: int, x: torch.Tensor) -> int:
     """Partial sums of squares per row that `linear_residual_norm` writes for `rows` outputs of `size` from `x`'s
     dtype, width and device: one per column block (of the launch setting those choose)."""
-    setting = _setting("linear", rows, [size], x.element_size(), x.shape[-1])
+    setting = launch_setting("linear", rows, [size], x.element_size(), x.shape[-1])
     return triton.cdiv(size, _column_block(setting, [size], x.device))
