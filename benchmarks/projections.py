@@ -146,6 +146,7 @@ def sweep(shape: str, rows: int, only: list[str] | None = None, grid: dict | Non
             if only and op not in only:
                 continue
             cublas_us = graph_time(lambda i: cublas(sets[i % n]), n) * 1e6
+            current = _current_setting(op, rows, sets[0])  # before the sweep overrides the table
             for values in product(*grid.values()):
                 setting = dict(zip(grid, values))
                 if setting["block_m"] > max(16, rows):
@@ -155,7 +156,7 @@ def sweep(shape: str, rows: int, only: list[str] | None = None, grid: dict | Non
                 entry = _tuning_kind(op, sets[0])  # what the launcher takes for these weights
                 _launch.LINEAR_TUNING[entry] = setting
                 records.append(dict(shape=shape, rows=rows, op=op, setting=setting, cublas_us=cublas_us,
-                                    tuning_kind=entry,
+                                    tuning_kind=entry, current=all(setting[k] == v for k, v in current.items()),
                                     us=graph_time(lambda i: fused(sets[i % n]), n) * 1e6))
             _launch.LINEAR_TUNING.update(default)
     finally:
@@ -190,7 +191,7 @@ def main() -> None:
         append_records(out, records)
         for key in sorted({(r["shape"], r["rows"], r["op"]) for r in records}):
             group = sorted((r for r in records if (r["shape"], r["rows"], r["op"]) == key), key=lambda r: r["us"])
-            default = next((r for r in group if r["setting"] == _default_setting(r)), {"us": float("nan")})
+            default = next((r for r in group if r["current"]), {"us": float("nan")})
             best, second = group[0], group[1]
             print(f"{key[0]:<14} {key[1]:>4} {key[2]:<13} {best['tuning_kind']:<13} cuBLAS {best['cublas_us']:6.1f} "
                   f"us | current {default['us']:6.1f} | best {best['us']:6.1f} {best['setting']} "
@@ -237,18 +238,18 @@ def _tuning_kind(op: str, weights: list[torch.Tensor]) -> str:
     return linear_settings.tuning_kind(kind, sum(w.numel() * w.element_size() for w in weights))
 
 
-def _default_setting(record: dict) -> dict:
-    """The launch setting the kernels take now for a sweep record's op and rows: a row block clamped to the rows, and
-    above `LINEAR_TALL_ROWS` the kind's tall settings (not narrowed to the segments or fitted to shared memory, as
-    `linear_settings.launch_setting` does for a launch)."""
-    from hf_vegas_kernels import _launch
+def _current_setting(op: str, rows: int, weights: list[torch.Tensor]) -> dict:
+    """The launch setting the kernels take now for `op` at `rows` rows with these weights, as the launcher derives
+    it (q/k/v + rotary: a program per head, so no column block)."""
+    from hf_vegas_kernels import _launch, linear_settings, qkv_rope
 
-    setting = dict(_launch.LINEAR_TUNING[record["tuning_kind"]])
-    tall = {key: setting.pop(f"tall_{key}", 0) for key in _launch.LINEAR_TALL_KEYS}
-    setting["block_m"] = min(setting["block_m"], max(16, 1 << (record["rows"] - 1).bit_length()))
-    if record["rows"] > _launch.LINEAR_TALL_ROWS:  # the kind's tall settings, as the launcher takes them
-        setting.update({key: value for key, value in tall.items() if value})
-    return setting
+    kind = op.split("(")[0]
+    if kind == "qkv_rope":
+        tuned = _launch.LINEAR_TUNING[kind]
+        return dict(block_m=qkv_rope._row_block(rows), block_k=tuned["block_k"], num_warps=tuned["num_warps"],
+                    num_stages=qkv_rope._stages(rows))
+    sizes = [w.shape[0] for w in weights]
+    return linear_settings.launch_setting(kind, rows, sizes, weights[0].element_size(), weights[0].shape[1])
 
 
 if __name__ == "__main__":
