@@ -277,6 +277,32 @@ def test_dense_decode_equals_verify_without_scores():
     assert torch.equal(dense, verify)
 
 
+@pytest.mark.parametrize("waves", [0, 6])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_whole_blocks_skip_the_mask_only_where_every_query_sees_them(monkeypatch, interpreter_sms, tokens, waves):
+    """Dense and verification lists run their blocks before the smallest query slot without the visibility mask.
+    Lengths put the end of what every query sees one before, at and one after a block's end (16-slot blocks here), in
+    one split or several: a block taken whole one slot too far would let the first query row see the second's key,
+    and the comparison with the naive op fails."""
+    for kind in ("dense", "verify"):
+        monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], "block_n": 16, "waves": waves})
+    lengths = [16 + tokens - 2, 16 + tokens - 1, 16 + tokens, 64 + tokens - 1, tokens + 2]
+    case = make_case(lengths, [tokens] * len(lengths), tokens, 64, 6, 2, seed=11)
+    readable = dense_readable(case)
+    k, v = poisoned(case.k, readable), poisoned(case.v, readable)
+    args = (case.q_slot, case.kv_len, case.scaling)
+    expected = naive.dense_attention(case.q, case.k, case.v, *args)
+    _assert_close(kernels.dense_attention(case.q, k, v, *args), expected, torch.float32)
+    rows = torch.tensor([0, tokens - 1], device=DEVICE).unique()
+    out, emitted, lse = kernels.verify_attention(case.q, k, v, *args, rows, "weights")
+    _assert_close(out, expected, torch.float32)
+    # The softmax weights are rebuilt from the log-sum-exp, which the kernel keeps in base 2 until it stores it.
+    got = kernels.finalize_scores(emitted, lse, rows, case.sel_end, 6, True, False)
+    want = _expected_scores(case, rows, "weights", None)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    _assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)], torch.float32)
+
+
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", [HEADS[0], HEADS[1]])
 def test_sparse_drafts_with_wide_heads_take_their_own_launch_setting(monkeypatch, combine_launches, head_dim, q_heads,
                                                                      kv_heads):

@@ -37,6 +37,9 @@ from ._pdl import release_dependents, wait_for_inputs
 
 # Emission modes: none, logits summed over the query heads of a KV head, logits per query head.
 EMIT_NONE, EMIT_GROUP_SUM, EMIT_PER_HEAD = 0, 1, 2
+# Softmax states (split maxima, log-sum-exp before it is returned) are kept in base 2: x * LOG2E = x / ln 2.
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
 
 
 @triton.jit
@@ -119,44 +122,77 @@ def _attend_list(
     # The last split runs to the end of the list, so a too-small length hint costs balance, never tokens.
     end = tl.where(split == num_splits - 1, n, tl.minimum(start + row_chunk, n))
 
+    # Softmax states in base 2 (`m_i` the running max of `logit * log2(e)`): the scale and log2(e) are one multiply,
+    # fused with the max's subtraction, before the exp2 the GPU runs anyway.
+    if HAS_SOFTCAP:
+        qk_scale = LOG2E
+    else:
+        qk_scale = scaling * LOG2E
+    # Blocks that every query row sees whole (before the smallest query slot, inside the list: all of a dense or
+    # verification list but its last block) skip the visibility mask: in a verification of 7 tokens the softmax's
+    # elementwise work, not the loads, is what shows (`benchmarks/RESULTS.md`). Sparse and windowed lists mask all.
+    if SPARSE or HAS_WINDOW:
+        full_end = start
+    else:
+        q_min = tl.min(tl.where(row_ok, q_slot, kv_len), axis=0)
+        seen_end = tl.minimum(end, q_min + 1 - tail_start)  # list positions every query row sees
+        full_end = start + tl.maximum(seen_end - start, 0) // BLOCK_N * BLOCK_N
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for p0 in range(start, end, BLOCK_N):
-        p = p0 + tl.arange(0, BLOCK_N)
-        in_list = p < end
-        if SPARSE:
-            chosen = p < count
-            picked = tl.load(SelIdx + b * stride_sb + p, mask=in_list & chosen, other=0)
-            slot = tl.where(chosen, picked, tail_start + p - count)
+    for phase in tl.static_range(2):  # 0: whole blocks, no mask; 1: the rest, masked
+        if phase == 0:
+            lo, hi = start, full_end
         else:
-            slot = tail_start + p
-        k = tl.load(K + b * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                    mask=in_list[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
-        if HAS_SOFTCAP:
-            s = _tanh(s / softcap) * softcap
-        if EMIT != 0:
-            emitted = tl.dot(emit_q, tl.trans(k), input_precision=PRECISION) * scaling
+            lo, hi = full_end, end
+        for p0 in range(lo, hi, BLOCK_N):
+            p = p0 + tl.arange(0, BLOCK_N)
+            in_list = p < end
+            if SPARSE:
+                chosen = p < count
+                picked = tl.load(SelIdx + b * stride_sb + p, mask=in_list & chosen, other=0)
+                slot = tl.where(chosen, picked, tail_start + p - count)
+            else:
+                slot = tail_start + p
+            if phase == 0:
+                k = tl.load(K + b * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                            mask=d[None, :] < HEAD_DIM, other=0.0)
+            else:
+                k = tl.load(K + b * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                            mask=in_list[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             if HAS_SOFTCAP:
-                emitted = _tanh(emitted / softcap) * softcap
-            if EMIT_HALF:  # fp16 holds +-65504: a larger logit is saturated, not made infinite
-                emitted = tl.minimum(tl.maximum(emitted, -65504.0), 65504.0)
-            tl.store(emit_base + slot[None, :], emitted.to(Emit.dtype.element_ty),
-                     mask=e_ok[:, None] & in_list[None, :])
-        visible = in_list[None, :] & (slot[None, :] <= q_slot[:, None])
-        if HAS_WINDOW:
-            visible = visible & (slot[None, :] > q_slot[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
-        alpha = tl.exp(m_i - m_safe)
-        probs = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(probs, axis=1)
-        v = tl.load(V + b * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
-                    mask=in_list[:, None] & (dv[None, :] < V_DIM), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+                s = _tanh(s * scaling / softcap) * softcap
+            if EMIT != 0:
+                emitted = tl.dot(emit_q, tl.trans(k), input_precision=PRECISION) * scaling
+                if HAS_SOFTCAP:
+                    emitted = _tanh(emitted / softcap) * softcap
+                if EMIT_HALF:  # fp16 holds +-65504: a larger logit is saturated, not made infinite
+                    emitted = tl.minimum(tl.maximum(emitted, -65504.0), 65504.0)
+                tl.store(emit_base + slot[None, :], emitted.to(Emit.dtype.element_ty),
+                         mask=e_ok[:, None] & in_list[None, :])
+            if phase == 0:
+                m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+                m_safe = m_new
+            else:
+                visible = in_list[None, :] & (slot[None, :] <= q_slot[:, None])
+                if HAS_WINDOW:
+                    visible = visible & (slot[None, :] > q_slot[:, None] - window)
+                s = tl.where(visible, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
+            alpha = tl.math.exp2(m_i - m_safe)
+            probs = tl.math.exp2(s * qk_scale - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(probs, axis=1)
+            if phase == 0:
+                v = tl.load(V + b * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
+                            mask=dv[None, :] < V_DIM, other=0.0)
+            else:
+                v = tl.load(V + b * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
+                            mask=in_list[:, None] & (dv[None, :] < V_DIM), other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
     release_dependents(USE_GDC, EARLY_TRIGGER)
 
     out_ptr = Out + b * stride_ob + t[:, None] * stride_ot + (kvh * GROUPS + g)[:, None] * stride_oh + dv[None, :]
@@ -184,8 +220,8 @@ def _attend_list(
             l_total = tl.zeros([BLOCK_M], tl.float32)
             merged = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
             for s in range(0, num_splits):
-                w = tl.exp(tl.load(MPart + first + s * rows, mask=row_ok, other=float("-inf"),
-                                   cache_modifier=".cg") - top)
+                w = tl.math.exp2(tl.load(MPart + first + s * rows, mask=row_ok, other=float("-inf"),
+                                         cache_modifier=".cg") - top)
                 l_total += tl.load(LPart + first + s * rows, mask=row_ok, other=0.0, cache_modifier=".cg") * w
                 merged += tl.load(OPart + (first + s * rows)[:, None] * V_DIM + dv[None, :],
                                   mask=row_ok[:, None] & (dv[None, :] < V_DIM), other=0.0,
@@ -198,24 +234,25 @@ def _attend_list(
 @triton.jit
 def _write_result(Sinks, head, ok, m_i, l_i, acc, out_ptr, lse_ptr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
                   HAS_SINKS: tl.constexpr):
-    """Normalise a softmax state `(max, sum, unnormalised output)` and store the output and log-sum-exp."""
+    """Normalise a base-2 softmax state `(max, sum, unnormalised output)` and store the output and the natural
+    log-sum-exp."""
     if HAS_SINKS:
         m_i, l_i, acc = _with_sinks(Sinks, head, ok, m_i, l_i, acc)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     dv = tl.arange(0, BLOCK_DV)
     tl.store(out_ptr, out.to(out_ptr.dtype.element_ty), mask=ok[:, None] & (dv[None, :] < V_DIM))
-    tl.store(lse_ptr, tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf")), mask=ok)
+    tl.store(lse_ptr, tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf")), mask=ok)
 
 
 @triton.jit
 def _with_sinks(Sinks, head, ok, m_i, l_i, acc):
-    """Fold each query head's sink logit into a softmax state `(max, sum, unnormalised output)`: it joins the sum
-    and adds nothing to the output (gpt-oss' attention sinks). A row that saw no slot keeps a zero output."""
-    sink = tl.load(Sinks + head, mask=ok, other=0.0).to(tl.float32)
+    """Fold each query head's sink logit into a base-2 softmax state `(max, sum, unnormalised output)`: it joins the
+    sum and adds nothing to the output (gpt-oss' attention sinks). A row that saw no slot keeps a zero output."""
+    sink = tl.load(Sinks + head, mask=ok, other=0.0).to(tl.float32) * LOG2E
     top = tl.maximum(m_i, sink)
-    scale = tl.where(m_i == float("-inf"), 0.0, tl.exp(m_i - top))
-    return top, l_i * scale + tl.exp(sink - top), acc * scale[:, None]
+    scale = tl.where(m_i == float("-inf"), 0.0, tl.math.exp2(m_i - top))
+    return top, l_i * scale + tl.math.exp2(sink - top), acc * scale[:, None]
 
 
 @triton.jit
@@ -250,7 +287,7 @@ def _combine_splits(
         sb = s0 + tl.arange(0, SPLIT_BLOCK)
         ok = (sb < num_splits)[:, None] & m_ok[None, :]
         part = base + sb[:, None] * rows + m[None, :]
-        w = tl.exp(tl.load(MPart + part, mask=ok, other=float("-inf")) - top[None, :])
+        w = tl.math.exp2(tl.load(MPart + part, mask=ok, other=float("-inf")) - top[None, :])
         l_total += tl.sum(tl.load(LPart + part, mask=ok, other=0.0) * w, axis=0)
         o = tl.load(OPart + part[:, :, None] * V_DIM + dv[None, None, :],
                     mask=ok[:, :, None] & (dv[None, None, :] < V_DIM), other=0.0)
@@ -265,7 +302,7 @@ def _combine_splits(
     tl.store(Out + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
              out.to(Out.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < V_DIM))
     tl.store(Lse + b * stride_lb + t * stride_lt + head,
-             tl.where(seen, top + tl.log(tl.where(seen, l_total, 1.0)), float("-inf")), mask=m_ok)
+             tl.where(seen, (top + tl.log2(tl.where(seen, l_total, 1.0))) * LN2, float("-inf")), mask=m_ok)
 
 
 def emit_dtype(q_dtype: torch.dtype) -> torch.dtype:
