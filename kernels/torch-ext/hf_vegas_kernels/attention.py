@@ -38,8 +38,8 @@ from ._pdl import release_dependents, wait_for_inputs
 # Emission modes: none, logits summed over the query heads of a KV head, logits per query head.
 EMIT_NONE, EMIT_GROUP_SUM, EMIT_PER_HEAD = 0, 1, 2
 # Softmax states (split maxima, log-sum-exp before it is returned) are kept in base 2: x * LOG2E = x / ln 2.
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
