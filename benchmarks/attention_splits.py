@@ -22,7 +22,7 @@ import torch
 import transformers
 import triton
 from hf_vegas_kernels import _launch
-from hf_vegas_kernels.attention import _num_splits
+from hf_vegas_kernels.attention_splits import _num_splits
 
 import hf_vegas
 from gpu_timing import graph_time, read_bandwidth  # benchmarks/ is the script's directory
@@ -35,7 +35,7 @@ GAMMA = 6
 
 
 def force_splits(kind: str, splits: int, pairs: int, **setting) -> None:
-    """Set `kind`'s waves so that `attention._num_splits` gives exactly `splits` (rounding up)."""
+    """Set `kind`'s waves so that `attention_splits._num_splits` gives exactly `splits` (rounding up)."""
     sms = _launch.device_sm_count(torch.device("cuda"))
     _launch.TUNING[kind] = {**_launch.TUNING[kind], **setting, "waves": (splits - 0.5) * pairs / sms,
                             "nearest": False, "fill": 0.0}

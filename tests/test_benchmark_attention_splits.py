@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
 import attention_splits  # noqa: E402
 from hf_vegas_kernels import _launch  # noqa: E402
-from hf_vegas_kernels.attention import _num_splits  # noqa: E402
+from hf_vegas_kernels.attention_splits import _num_splits  # noqa: E402
 
 
 @pytest.mark.parametrize("sms", [132, 4])

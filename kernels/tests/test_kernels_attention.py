@@ -15,7 +15,8 @@ from kernel_cases import DEVICE, dense_readable, import_kernels, make_case, pois
 kernels = import_kernels()
 from hf_vegas_kernels import _launch  # noqa: E402
 from hf_vegas_kernels import attention as attention_kernels  # noqa: E402
-from hf_vegas_kernels.attention import _num_splits  # noqa: E402
+from hf_vegas_kernels import attention_splits  # noqa: E402
+from hf_vegas_kernels.attention_splits import _num_splits  # noqa: E402
 
 # (head_dim, query heads, KV heads): GQA groups 1, 3, 4 and 8.
 HEADS = [(64, 2, 2), (128, 6, 2), (256, 8, 2), (64, 8, 1)]
@@ -42,14 +43,14 @@ def interpreter_sms(monkeypatch):
 def combine_launches(monkeypatch):
     """Counts launches of the split-combine kernel, to tell which path a call took (the paths compute the same)."""
     launches = []
-    kernel = attention_kernels._combine_splits
+    kernel = attention_splits._combine_splits
 
     class Counted:
         def __getitem__(self, grid):
             launches.append(grid)
             return kernel[grid]
 
-    monkeypatch.setattr(attention_kernels, "_combine_splits", Counted())
+    monkeypatch.setattr(attention_splits, "_combine_splits", Counted())
     return launches
 
 
@@ -360,7 +361,7 @@ def test_one_split_writes_what_the_combine_would(monkeypatch, combine_launches, 
         return attend(case.q, k, v, case.q_slot, case.kv_len, case.scaling, tail_start=case.sel_end,
                       list_len=case.sel_idx.shape[1] + tokens + 1, sel_idx=case.sel_idx, sel_count=case.sel_count)
 
-    from hf_vegas_kernels.attention import _num_splits
+    from hf_vegas_kernels.attention_splits import _num_splits
 
     def tune(**setting):  # head_dim 128 drafts take the wide-head setting, the others "sparse"
         for kind in ("sparse", "sparse_wide_head"):
@@ -587,7 +588,7 @@ def test_offsets_past_int32_on_gpu():
 def test_split_counts_round_to_the_nearest_where_asked():
     """Sparse drafts round the wanted split count to the nearest (one split at 192 (row, KV head) pairs on 132 SMs at
     2 waves, where rounding up would take two), bounded by the list's blocks."""
-    from hf_vegas_kernels.attention import _num_splits
+    from hf_vegas_kernels.attention_splits import _num_splits
 
     device = torch.device("cpu")
     sms = _launch.device_sm_count(device)
@@ -604,7 +605,7 @@ def test_split_counts_round_up_to_the_nearest_or_fill_whole_waves():
     programs), 8 over 32, 4 over 64; over 96 pairs 2 (192 of 264), 3 (288 of 528) and 4 (384 of 528) fill less, 5
     (480 of 528) enough; over 264 pairs one. A count the chunking cannot make is skipped (a 513-block list: 31
     splits, not 32), and never more splits than the list has blocks."""
-    from hf_vegas_kernels.attention import _wave_filling_splits
+    from hf_vegas_kernels.attention_splits import _wave_filling_splits
 
     cuda = torch.device("cuda", 0)
     with pytest.MonkeyPatch.context() as patch:
