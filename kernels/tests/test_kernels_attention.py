@@ -278,17 +278,27 @@ def test_dense_decode_equals_verify_without_scores():
     assert torch.equal(dense, verify)
 
 
-@pytest.mark.parametrize("waves", [0, 6])
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("tokens", [1, 7])
-def test_whole_blocks_skip_the_mask_only_where_every_query_sees_them(monkeypatch, interpreter_sms, tokens, waves):
-    """Dense and verification lists run their blocks before the smallest query slot without the visibility mask.
-    Lengths put the end of what every query sees one before, at and one after a block's end (16-slot blocks here), in
-    one split or several: a block taken whole one slot too far would let the first query row see the second's key,
-    and the comparison with the naive op fails."""
+def test_whole_blocks_skip_the_mask_only_where_every_query_sees_them(monkeypatch, tokens, splits):
+    """Dense and verification lists run the blocks that every query row sees whole without the visibility mask.
+    Lengths put the end of what every query sees one before, at and one after a block's end (16-slot blocks here),
+    in the first and, with three splits of 32 slots, in the middle split (whose share ends before the list does): a
+    block taken whole one slot too far would let the first query row see the second's key, and the comparison with
+    the naive op fails. Two rows have queries out of order, one with a gap, one with left-pad queries at slot 0: the
+    boundary is the smallest query slot of the row, not its first one's."""
     for kind in ("dense", "verify"):
-        monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], "block_n": 16, "waves": waves})
-    lengths = [16 + tokens - 2, 16 + tokens - 1, 16 + tokens, 64 + tokens - 1, tokens + 2]
+        monkeypatch.setitem(_launch.TUNING, kind, {**_launch.TUNING[kind], "block_n": 16, "waves": 0})
+    if splits > 1:
+        monkeypatch.setattr(attention_kernels, "_num_splits", lambda *args, **kwargs: (splits, 32))
+    ends = [15, 16, 17, 47, 48, 49, 64]  # the smallest query slot + 1 of each plain row
+    lengths = [end + tokens - 1 for end in ends] + [40 + tokens, 40 + tokens]
     case = make_case(lengths, [tokens] * len(lengths), tokens, 64, 6, 2, seed=11)
+    if tokens > 1:
+        q_slot = case.q_slot.clone()
+        q_slot[-2] = q_slot[-2].flip(0) - torch.arange(tokens, device=DEVICE) % 2  # unordered, gaps, first is last
+        q_slot[-1, :2] = 0  # left-pad queries (`StepPlan.lay_out` clamps them to slot 0)
+        case = dataclasses.replace(case, q_slot=q_slot)
     readable = dense_readable(case)
     k, v = poisoned(case.k, readable), poisoned(case.v, readable)
     args = (case.q_slot, case.kv_len, case.scaling)
@@ -298,10 +308,50 @@ def test_whole_blocks_skip_the_mask_only_where_every_query_sees_them(monkeypatch
     out, emitted, lse = kernels.verify_attention(case.q, k, v, *args, rows, "weights")
     _assert_close(out, expected, torch.float32)
     # The softmax weights are rebuilt from the log-sum-exp, which the kernel keeps in base 2 until it stores it.
-    got = kernels.finalize_scores(emitted, lse, rows, case.sel_end, 6, True, False)
-    want = _expected_scores(case, rows, "weights", None)
+    # (Rows whose scored queries sit before their candidates' end break finalize_scores' precondition: left out.)
+    plain = len(ends)
+    got = kernels.finalize_scores(emitted, lse, rows, case.sel_end, 6, True, False)[:plain]
+    want = _expected_scores(case, rows, "weights", None)[:plain]
     assert torch.equal(torch.isfinite(got), torch.isfinite(want))
     _assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)], torch.float32)
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_a_dense_list_from_a_start_slot_takes_whole_blocks_from_there(monkeypatch, tokens):
+    """`attend` with a `tail_start` and no window (a list `[tail_start, kv_len)`): whole blocks count from the start,
+    so the smallest query slot's block end is `q_min + 1 - tail_start` positions into the list."""
+    monkeypatch.setitem(_launch.TUNING, "verify" if tokens > 1 else "dense",
+                        {**_launch.TUNING["verify" if tokens > 1 else "dense"], "block_n": 16, "waves": 0})
+    case = make_case([40 + tokens, 45 + tokens, 50 + tokens, 33 + tokens], [tokens] * 4, tokens, 64, 6, 2, seed=13)
+    # q_min + 1 - start = 31, 32, 33 and 34 list positions: one before a block's end, at it, one and two past it
+    start = torch.tensor([10, 14, 18, 0], device=DEVICE)
+    slots = torch.arange(case.k.shape[1], device=DEVICE)
+    readable = (slots[None, :] >= start[:, None]) & (slots[None, :] < case.kv_len[:, None])
+    out, _, _ = attention_kernels.attend(case.q, poisoned(case.k, readable), poisoned(case.v, readable), case.q_slot,
+                                         case.kv_len, case.scaling, tail_start=start, list_len=case.k.shape[1])
+    visible = naive.visible_slots(case.q_slot, case.kv_len, case.k.shape[1], None) & readable[:, None, :]
+    _assert_close(out, naive.masked_attention(case.q, case.k, case.v, visible, case.scaling), torch.float32)
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_unmasked_blocks_round_as_masked_ones(tokens):
+    """A block that every query sees whole computes the same bits in the unmasked phase as in the masked one, so
+    where a program's boundary falls (it depends on all its query rows) changes no row's result: the dense step of
+    one query and the verification of seven then round alike. Compared here against the same launch with a window
+    longer than the rows (every block masked, the same list and splits). On a GPU in bf16 at SmolLM2's heads."""
+    cuda = DEVICE == "cuda"
+    lengths = [7500, 3001, 77, 8191] if cuda else LENGTHS
+    case = make_case(lengths, [tokens] * len(lengths), tokens, 64, 9 if cuda else 6, 3 if cuda else 2, seed=17,
+                     dtype=torch.bfloat16 if cuda else torch.float32)
+    list_len, window = case.k.shape[1], case.k.shape[1] + 1
+    args = (case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling)
+    whole = kernels.dense_attention(*args, None, list_len=list_len)
+    masked = kernels.dense_attention(*args, window, list_len=list_len)
+    assert torch.equal(whole, masked)
+    rows = torch.tensor([0, tokens - 1], device=DEVICE).unique()
+    out, _, lse = kernels.verify_attention(*args, rows, "weights", list_len=list_len)
+    out_masked, _, lse_masked = kernels.verify_attention(*args, rows, "weights", window=window, list_len=list_len)
+    assert torch.equal(out, out_masked) and torch.equal(lse, lse_masked)
 
 
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", [HEADS[0], HEADS[1]])

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from . import _launch
 from ._pdl import release_dependents, wait_for_inputs
+# (`attend` calls `_num_splits` by this module's name for it: tests that count splits patch `attention._num_splits`)
 from .attention_splits import LOG2E, _num_splits, _split_state_out, _write_result, merge_splits
 
 # Emission modes: none, logits summed over the query heads of a KV head, logits per query head.
@@ -128,9 +129,12 @@ def _attend_list(
         qk_scale = LOG2E
     else:
         qk_scale = scaling * LOG2E
-    # Blocks that every query row sees whole (before the smallest query slot, inside the list: all of a dense or
-    # verification list but its last block) skip the visibility mask: in a verification of 7 tokens the softmax's
-    # elementwise work, not the loads, is what shows (`benchmarks/RESULTS.md`). Sparse and windowed lists mask all.
+    # Blocks that every query row sees whole (up to and including the smallest real query slot, inside this split's
+    # share of the list: in a dense or verification step every block but the one or two at the queries) skip the
+    # visibility and list masks: in a verification of 7 tokens the softmax's elementwise work, not the loads, is
+    # what shows (`benchmarks/RESULTS.md`). A row's result does not depend on where the boundary falls: a whole
+    # block computes the same values in either phase (`test_unmasked_blocks_round_as_masked_ones`). Sparse and
+    # windowed lists mask every block.
     if SPARSE or HAS_WINDOW:
         full_end = start
     else:
@@ -224,6 +228,8 @@ def attend(
 
     `list_len` is a host-side bound on the list length used to size the splits (a wrong bound is only slower).
     """
+    if not scaling > 0:  # the kernel scales after masking: a zero scale would turn masked logits into NaN
+        raise ValueError(f"attend: scaling must be positive, got {scaling}")
     if sel_idx is not None and tail_start is None:
         raise ValueError("attend: a sparse list needs tail_start (each row's selection end), got None")
     if emit == EMIT_GROUP_SUM and softcap is not None:

@@ -3,11 +3,13 @@
 A (row, KV head) pair's list is cut into `splits` chunks of whole blocks, one program each (`_num_splits`: enough
 programs to fill the GPU the number of times `_launch.TUNING` asks). A split's state is `(max, sum, unnormalised
 output)` per query row, in base 2 (the max is of `logit * log2(e)`; `LOG2E`): the kernel takes exp2 of scaled
-logits, so the states merge with exp2 too, and the log-sum-exp leaves in natural units (`_write_result`). One split
-writes its result itself; several store their states to fp32 scratch, and either the last of a pair's splits to
-finish merges them in the kernel (`fused_combine`: an atomic ticket per pair) or `merge_splits` launches
-`_combine_splits`, parallel over query rows and vectorised over splits. Sinks (gpt-oss) join each state's sum
-before it is normalised.
+logits, so the states merge with exp2 too, and the log-sum-exp leaves in natural units (`_write_result`). A sparse
+draft of one split writes its result itself; other launches store their states to fp32 scratch, and either the last
+of a pair's splits to finish merges them in the kernel (`fused_combine`: an atomic ticket per pair) or
+`merge_splits` launches `_combine_splits`, parallel over query rows and vectorised over splits. Sinks (gpt-oss) join
+the merged state's sum once, before it is normalised.
+
+(Not to be confused with `benchmarks/attention_splits.py`, which times the launches at forced split counts.)
 """
 
 from __future__ import annotations
@@ -157,7 +159,8 @@ def merge_splits(m_part, l_part, o_part, out, lse, sinks, splits: int, num_token
 def _num_splits(list_len: int, programs: int, block_n: int, waves: float, device, nearest: bool = False,
                 split_len: int | None = None, fill: float = 0.0):
     """(splits, chunk): enough programs to fill the GPU `waves` times (rounded up, or to the nearest count), each
-    chunk a multiple of the block; `waves` 0: one split per (row, KV head). One split writes the output itself.
+    chunk a multiple of the block; `waves` 0: one split per (row, KV head) (a sparse draft of one split writes its
+    output itself).
     `fill` > 0 (then `waves` is how many programs an SM holds at once): the fewest splits whose last wave of
     programs is at least `fill` full (`_wave_filling_splits`).
     `split_len`: at least enough splits that none spans more than `split_len` entries (rounded up to blocks)."""
