@@ -292,7 +292,8 @@ def test_whole_blocks_skip_the_mask_only_where_every_query_sees_them(monkeypatch
     if splits > 1:
         monkeypatch.setattr(attention_kernels, "_num_splits", lambda *args, **kwargs: (splits, 32))
     ends = [15, 16, 17, 47, 48, 49, 64]  # the smallest query slot + 1 of each plain row
-    lengths = [end + tokens - 1 for end in ends] + [40 + tokens, 40 + tokens]
+    # (the unordered row's smallest query slot, 29, sits a block before its first query's, 35)
+    lengths = [end + tokens - 1 for end in ends] + [29 + tokens, 40 + tokens]
     case = make_case(lengths, [tokens] * len(lengths), tokens, 64, 6, 2, seed=11)
     if tokens > 1:
         q_slot = case.q_slot.clone()
@@ -633,6 +634,10 @@ def test_offsets_past_int32_on_gpu():
         _assert_close(draft[b : b + 1], _attend_compact(case, b, chosen), torch.bfloat16)
         recent = range(length - window, length)
         _assert_close(windowed[b : b + 1], _attend_compact(case, b, recent), torch.bfloat16)
+    # A dense list without a window reads its whole blocks unmasked (64-bit offsets there too): as the masked reads.
+    args = (case.q, case.k, case.v, case.q_slot, case.kv_len, case.scaling)
+    whole = kernels.dense_attention(*args, None, list_len=slots)
+    assert torch.equal(whole, kernels.dense_attention(*args, slots + 1, list_len=slots))
 
 
 def test_split_counts_round_to_the_nearest_where_asked():
