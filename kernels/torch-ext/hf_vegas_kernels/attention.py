@@ -159,12 +159,12 @@ def _attend_list(
                 slot = tl.where(chosen, picked, tail_start + p - count)
             else:
                 slot = tail_start + p
-            if phase == 0:
-                k = tl.load(K + b * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                            mask=d[None, :] < HEAD_DIM, other=0.0)
+            if phase == 0:  # a whole block: every slot is in the list (a constant mask, folded away)
+                listed = tl.full([BLOCK_N], 1, tl.int1)
             else:
-                k = tl.load(K + b * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                            mask=in_list[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+                listed = in_list
+            k = tl.load(K + b * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                        mask=listed[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             if HAS_SOFTCAP:
                 s = _tanh(s * scaling / softcap) * softcap
@@ -189,12 +189,8 @@ def _attend_list(
             alpha = tl.math.exp2(m_i - m_safe)
             probs = tl.math.exp2(s * qk_scale - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(probs, axis=1)
-            if phase == 0:
-                v = tl.load(V + b * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
-                            mask=dv[None, :] < V_DIM, other=0.0)
-            else:
-                v = tl.load(V + b * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
-                            mask=in_list[:, None] & (dv[None, :] < V_DIM), other=0.0)
+            v = tl.load(V + b * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
+                        mask=listed[:, None] & (dv[None, :] < V_DIM), other=0.0)
             acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
     release_dependents(USE_GDC, EARLY_TRIGGER)
