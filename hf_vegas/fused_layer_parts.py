@@ -5,6 +5,11 @@ A layer qualifies when its decoder layer, attention and norms run exactly the co
 output projection, a soft cap, another rotary convention, keeps its own forward), or Qwen3's attention (Llama's with
 RMSNorms over each query and key head), with plain `nn.Linear` projections and no hooks. The parts are the layer's own
 parameters, never copies.
+
+Under transformers' tensor parallelism (`tp_plan="auto"`) a layer qualifies in draft steps when q/k/v and gate/up are
+its column-parallel and the output and down projections its row-parallel linears (`compat.column_parallel_shard`,
+`compat.row_parallel_shard`): the parts are this rank's shards, and `tp_sums` sums a row-parallel partial product over
+the ranks with transformers' own method, as the projection's own forward does.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import sys
 
 import torch
 
-from .fused_projections import _gated_mlp_activation, _large, _max_rows, _plain_linears
+from ._compat import internals as compat
+from .fused_projections import _gate_up, _gated_mlp_activation, _hookless_linear, _large, _linear_parts, _max_rows
 from .ops import backend
 
 
@@ -50,6 +56,19 @@ def _head_norm_attention_source() -> str | None:
     return _source(modeling_qwen3.Qwen3Attention.forward)
 
 
+@dataclasses.dataclass(frozen=True)
+class RowParallelSum:
+    """A row-parallel projection's sum over the tensor-parallel ranks: its partial product handed to transformers' own
+    method (`RowwiseParallel.transform_output_post_forward`: the all-reduce, then the bias), as its forward does."""
+
+    module: torch.nn.Module
+    style: object
+    mesh: object
+
+    def __call__(self, partial: torch.Tensor) -> torch.Tensor:
+        return self.style.transform_output_post_forward(self.module, partial, self.mesh)
+
+
 @dataclasses.dataclass
 class LayerParts:
     """What a fused layer reads: the layer's own parameters (never copies), its head layout, and in which steps it
@@ -79,6 +98,10 @@ class LayerParts:
     attention: torch.nn.Module  # the layer's attention module, for the attention dispatch of verification/dense steps
     next_norm: tuple[torch.Tensor, float] | None = None  # the next fused layer's input norm (weight, eps)
     hands_on: bool = False  # the next layer is fused too: it gets the rotary tables (and `next_norm`'s input)
+    # Under tensor parallelism: the output and down projections' sums over the ranks, and whether this rank adds the
+    # residual to its partial product (the first rank only, so that the sum holds it once).
+    tp_sums: tuple[RowParallelSum, RowParallelSum] | None = None
+    adds_residual: bool = True
 
 
 def layer_parts(layer) -> LayerParts | None:
@@ -101,52 +124,81 @@ def layer_parts(layer) -> LayerParts | None:
             or _source(getattr(module, "rotate_half", None)) != sources["rotate_half"]
             or any(_source(type(norm).forward) != sources["norm"] for norm in norms)):
         return None
-    if any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m)
-           for m in (layer, attn, mlp, *norms, *head_norms)):
+    if any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in (layer, attn, mlp, *norms)):
+        return None
+    if any(m._forward_hooks or m._forward_pre_hooks or ("forward" in vars(m) and not compat.replicated_norm_forward(m))
+           for m in head_norms):  # (under TP, transformers' forward of a replicated norm: the class's own inside)
         return None
     q, k, v, o = (getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    act = _gated_mlp_activation(mlp)
-    if act is None or not _plain_linears(q, k, v, mlp.gate_proj, mlp.up_proj):
+    act = _gated_mlp_activation(mlp)  # (a standard gated MLP whose gate/up have no bias)
+    columns = None if None in (q, k, v, o) else _linear_parts(q, k, v)
+    rows = None if columns is None else _row_parts(o, mlp.down_proj)
+    if act is None or rows is None:
         return None
-    if len({p.bias is None for p in (q, k, v)}) != 1:
+    (wq, bq), (wk, bk), (wv, bv) = columns
+    (gate, _), (up, _) = _gate_up(mlp)
+    (o_weight, down), tp_sums = rows
+    sharded = "forward" in vars(q)  # transformers' column-parallel forward: every projection must be sharded alike
+    if sharded != (tp_sums is not None) or sharded != ("forward" in vars(mlp.gate_proj)):
         return None
-    if not (_plain_linears(o) and _plain_linears(mlp.down_proj)) or o.bias is not None:
+    if len({b is None for b in (bq, bk, bv)}) != 1:
         return None
-    if mlp.down_proj.bias is not None:
+    head_dim = getattr(attn, "head_dim", None)  # (shapes from the weights read: under TP, this rank's heads)
+    if not head_dim or head_dim % 2 or wq.shape[0] % head_dim or wv.shape[0] != wk.shape[0]:
         return None
-    head_dim = getattr(attn, "head_dim", None)
-    if not head_dim or head_dim % 2 or q.out_features % head_dim or v.out_features != k.out_features:
-        return None
-    if k.out_features % head_dim or o.in_features != q.out_features:
+    if wk.shape[0] % head_dim or o_weight.shape[1] != wq.shape[0]:
         return None
     if head_norms and (any(norm.weight.shape != (head_dim,) for norm in head_norms)
                        or head_norms[0].variance_epsilon != head_norms[1].variance_epsilon):
         return None
-    weights = (q.weight, o.weight, mlp.gate_proj.weight, mlp.down_proj.weight,
-               *(norm.weight for norm in (*norms, *head_norms)))
+    weights = (wq, o_weight, gate, down, *(norm.weight for norm in (*norms, *head_norms)))
     if len({t.dtype for t in weights}) != 1:
         return None
     linear = backend.kernels().linear  # (q/k/v run in `qkv_rope_write`, which takes any even head_dim)
     # (large weights whose sizes share no block of 16 for `qkv_linear` keep the one launch: slower, not wrong)
-    split_qkv = _large(q.weight, k.weight, v.weight) and linear.block_n_for(q.out_features, k.out_features) is not None
-    if linear.block_n_for(mlp.gate_proj.out_features) is None:
+    split_qkv = _large(wq, wk, wv) and linear.block_n_for(wq.shape[0], wk.shape[0]) is not None
+    if linear.block_n_for(gate.shape[0]) is None:
         return None
-    fold_norms = q.weight.dtype != torch.float16 and linear.block_n_for(o.out_features) is not None
+    # Under TP the residual sums follow the ranks' sum of the partial products, so the norms cannot ride in them.
+    fold_norms = not sharded and wq.dtype != torch.float16 and linear.block_n_for(o_weight.shape[0]) is not None
     # Verification and dense steps fuse only where every launch is one of the kernels, at any row count: small weights
     # (large ones keep cuBLAS past a few rows) and folded norms (else a residual sum may take cuBLAS' `addmm`).
-    small = not any(_large(*w) for w in ((q.weight, k.weight, v.weight), (mlp.gate_proj.weight, mlp.up_proj.weight),
-                                         (o.weight,), (mlp.down_proj.weight,)))
+    small = not any(_large(*w) for w in ((wq, wk, wv), (gate, up), (o_weight,), (down,)))
     return LayerParts(
-        layer_idx=attn.layer_idx, qkv=(q.weight, k.weight, v.weight),
-        qkv_bias=None if q.bias is None else (q.bias, k.bias, v.bias), norm_in=norms[0].weight,
-        eps_in=norms[0].variance_epsilon, o_weight=o.weight, gate=mlp.gate_proj.weight, up=mlp.up_proj.weight,
-        down=mlp.down_proj.weight, act=act, norm_post=norms[1].weight, eps_post=norms[1].variance_epsilon,
-        q_heads=q.out_features // head_dim, kv_heads=k.out_features // head_dim, head_dim=head_dim,
+        layer_idx=attn.layer_idx, qkv=(wq, wk, wv), qkv_bias=None if bq is None else (bq, bk, bv),
+        norm_in=norms[0].weight, eps_in=norms[0].variance_epsilon, o_weight=o_weight, gate=gate, up=up, down=down,
+        act=act, norm_post=norms[1].weight, eps_post=norms[1].variance_epsilon,
+        q_heads=wq.shape[0] // head_dim, kv_heads=wk.shape[0] // head_dim, head_dim=head_dim,
         scaling=attn.scaling, split_qkv=split_qkv,
         head_norms=(*(norm.weight for norm in head_norms), head_norms[0].variance_epsilon) if head_norms else None,
-        max_rows=min(_max_rows(q.weight, k.weight, v.weight), _max_rows(mlp.gate_proj.weight, mlp.up_proj.weight)),
+        max_rows=min(_max_rows(wq, wk, wv), _max_rows(gate, up)),
         fold_norms=fold_norms, full_steps=small and fold_norms, attention=attn,
+        tp_sums=tp_sums, adds_residual=tp_sums is None or _first_rank(tp_sums[0].mesh),
     )
+
+
+def _row_parts(o, down) -> tuple | None:
+    """`((output weight, down weight), None)` for plain bias-free `nn.Linear`s on one device; `((this rank's shards),
+    (their RowParallelSum))` where both are transformers' row-parallel linears, without bias (the fused layer adds a
+    rank's partial product and the residual before the sum, not a bias after it); else None."""
+    if not (_hookless_linear(o) and _hookless_linear(down)) or o.bias is not None or down.bias is not None:
+        return None
+    if "forward" not in vars(o) and "forward" not in vars(down):
+        plain = (_linear_parts(o), _linear_parts(down))
+        return None if None in plain else ((plain[0][0][0], plain[1][0][0]), None)
+    shards = (compat.row_parallel_shard(o), compat.row_parallel_shard(down))
+    if None in shards:
+        return None
+    (o_weight, o_style, o_mesh), (down_weight, down_style, down_mesh) = shards
+    if o_weight.stride(-1) != 1 or down_weight.stride(-1) != 1:
+        return None
+    return (o_weight, down_weight), (RowParallelSum(o, o_style, o_mesh), RowParallelSum(down, down_style, down_mesh))
+
+
+def _first_rank(mesh) -> bool:
+    """Whether this process is the first rank of `mesh`'s tensor-parallel dimension (as transformers picks it: the
+    mesh's only dimension, or the one named "tp")."""
+    return (mesh.get_local_rank() if mesh.ndim == 1 else mesh.get_local_rank("tp")) == 0
 
 
 def link_norms(decoder, parts: dict) -> None:

@@ -147,24 +147,50 @@ def _fused_forward(parts: LayerParts, cache, hidden_states: torch.Tensor, positi
     else:  # a verification or dense step: the attention the model's own layer would call, its selection included
         attn, _ = attend(cache, parts.attention, q.transpose(1, 2), store.keys.transpose(1, 2),
                          store.values.transpose(1, 2), parts.scaling, None, None, None)
-    # Each residual sum is one launch that reads the residual in its epilogue (`torch.addmm` would copy it first),
-    # and writes what the norm after it needs.
     attn = attn.reshape(batch * tokens, -1)
+    rest = _tensor_parallel_rest if parts.tp_sums is not None else _rest
+    out, scaled, sums = rest(kernels, parts, attn, x)
+    out = out.view(batch, tokens, hidden)
+    scaled = None if scaled is None else scaled.view(batch, tokens, hidden)
+    if parts.hands_on:
+        carry[parts.layer_idx + 1] = (out, scaled, sums, rope)
+    return out
+
+
+def _rest(kernels, parts: LayerParts, attn: torch.Tensor, x: torch.Tensor) -> tuple:
+    """A layer after its attention, on one device: `(output, next norm's scaled input, its row sums)` (the last two
+    None where the norms do not fold). Each residual sum is one launch that reads the residual in its epilogue
+    (`torch.addmm` would copy it first), and writes what the norm after it needs."""
     if parts.fold_norms:
         x, scaled, row_sumsq = kernels.linear_residual_norm(attn, parts.o_weight, x, parts.norm_post)
         gated = kernels.gated_linear_op(scaled, parts.gate, parts.up, parts.act, row_sumsq, parts.eps_post)
     else:
         x = kernels.linear_residual_op(attn, parts.o_weight, x)
-        gated = kernels.gated_linear_op(kernels.rms_norm(x, parts.norm_post, parts.eps_post), parts.gate, parts.up,
-                                        parts.act)
+        normed = kernels.rms_norm(x, parts.norm_post, parts.eps_post)
+        gated = kernels.gated_linear_op(normed, parts.gate, parts.up, parts.act)
     if parts.next_norm is None:  # (always, without fold_norms: `link_norms`)
-        out, scaled, sums = kernels.linear_residual_op(gated, parts.down, x).view(batch, tokens, hidden), None, None
-    else:
-        out, scaled, sums = kernels.linear_residual_norm(gated, parts.down, x, parts.next_norm[0])
-        out, scaled = out.view(batch, tokens, hidden), scaled.view(batch, tokens, hidden)
-    if parts.hands_on:
-        carry[parts.layer_idx + 1] = (out, scaled, sums, rope)
-    return out
+        return kernels.linear_residual_op(gated, parts.down, x), None, None
+    return kernels.linear_residual_norm(gated, parts.down, x, parts.next_norm[0])
+
+
+def _tensor_parallel_rest(kernels, parts: LayerParts, attn: torch.Tensor, x: torch.Tensor) -> tuple:
+    """Under tensor parallelism, a layer after its attention: the output projection's partial products summed over
+    the ranks (with the residual), the norm, this rank's gate/up columns, the down projection's sum (with the
+    residual). Two sums per layer, as the model's own forward makes; the norms are launches of their own, as their
+    input is whole only after a sum."""
+    x = parts.tp_sums[0](_partial_product(kernels, attn, parts.o_weight, x, parts.adds_residual))
+    normed = kernels.rms_norm(x, parts.norm_post, parts.eps_post)
+    gated = kernels.gated_linear_op(normed, parts.gate, parts.up, parts.act)
+    return parts.tp_sums[1](_partial_product(kernels, gated, parts.down, x, parts.adds_residual)), None, None
+
+
+def _partial_product(kernels, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                     adds_residual: bool) -> torch.Tensor:
+    """A row-parallel projection's partial product on this rank, with the residual added on the first rank only: the
+    ranks' sum is then the projection plus the residual, one launch fewer than the sum's own addition. (It rounds
+    otherwise than the model's residual sum after the all-reduce: drafts may, as they only decide how many tokens are
+    accepted.)"""
+    return kernels.linear_residual_op(x, weight, residual) if adds_residual else kernels.linear_op(x, weight, None)
 
 
 def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

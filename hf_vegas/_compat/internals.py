@@ -197,6 +197,24 @@ def _tensor_parallel_forward(linear, style_name: str) -> tuple | None:
     return style, captured.get("mesh")
 
 
+def replicated_norm_forward(module) -> bool:
+    """Whether `module`'s instance forward is the one transformers' tensor parallelism gives a replicated norm between
+    a column- and a row-parallel layer (`ReplicatedWithGradAllReduce.install_forward`'s `tp_forward`, 5.24.0: Qwen3's
+    `q_norm` and `k_norm`), wrapping the class's own forward: without gradients it runs just that forward (with them
+    it hooks the weight's gradient). 5.17.0 puts a module backward hook there instead and no forward."""
+    forward = vars(module).get("forward")
+    qualname = getattr(forward, "__qualname__", "")
+    if qualname != "ReplicatedWithGradAllReduce.install_forward.<locals>.tp_forward" or forward.__closure__ is None:
+        return False
+    try:
+        captured = dict(zip(forward.__code__.co_freevars, (cell.cell_contents for cell in forward.__closure__)))
+    except ValueError:  # an empty cell
+        return False
+    wrapped = captured.get("original_forward")
+    return (getattr(wrapped, "__func__", None) is type(module).forward
+            and getattr(wrapped, "__self__", None) is module)
+
+
 def column_parallel_shard(linear) -> tuple | None:
     """(weight, bias) of this rank's shard if `linear` is an `nn.Linear` that transformers' tensor parallelism made
     column-parallel with a local, column-sharded output (`ColwiseParallel`, exactly: replicated input, output
