@@ -57,6 +57,13 @@ former "generic" setting above 64 rows, whose norms' partial sums covered other 
 batch, for large weights, and under `fuse_projections=False` (then in every step), the model's own layers run these
 steps, as they did before 7f5a89f. Drafts only decide how many tokens are accepted, never which.
 
+Under transformers' tensor parallelism (`tp_plan="auto"`) such a layer runs its draft steps fused too, over this
+rank's shards: q/k/v (column-parallel) with the head norms, rotary embedding and cache write as above, the sparse
+attention over this rank's KV heads, then the output and down projections' partial products (row-parallel), each
+handed to transformers' own sum over the ranks (`LayerParts.tp_sums`), the first rank's with the residual added
+(`_partial_product`), and the norms as launches of their own: their input is whole only after the sum. Verification
+and dense steps keep the model's own forward there.
+
 Which layers: the decoder layer, its attention and its norms run exactly the code of transformers' own Llama classes
 (compared as source text against the installed release, so a model whose code differs in anything, a bias on the
 output projection, a soft cap, another rotary convention, keeps its own forward), or Qwen3's attention, with plain

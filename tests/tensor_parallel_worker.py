@@ -64,6 +64,7 @@ def main(model_dir: str, out_dir: str) -> None:
     )
     result["symmetric"] = _symmetric_memory_run(model, ids, common)
     result["fused"] = _fused_projections_run(model, ids, common)
+    result["fused_layers"] = _fused_layers_run(model, ids, common)
     result["traced"] = _compiled_trace(model, ids)
     if rank == 0:  # the same generation with the whole model on one device: whose selection "all" must reproduce
         whole = AutoModelForCausalLM.from_pretrained(model_dir).to(model.device)
@@ -154,6 +155,43 @@ def _fused_projections_run(model, ids, common) -> dict:
     return dict(greedy=out.tolist(), calls=calls, restored=restored, projection_error=max(errors[:4]),
                 row_parallel_error=max(errors[4:]), large_counts=large_counts,
                 tensor_parallel_forwards=sum(own is not None for own in owns.values()))
+
+
+def _fused_layers_run(model, ids, common) -> dict:
+    """Vegas greedy and sampling on the Triton backend (on the CPU in Triton's interpreter, without graphs), whose
+    draft steps run each standard layer as the fused kernels over this rank's shards (Llama's layers; Gemma-3's keep
+    their forward), and the same generations with `vegas_fuse_projections=False`, whose drafts run the model's own
+    layers: the tokens and the accepted counts of each pair (in fp32 the drafts differ by rounding only; a residual
+    summed twice or not at all would draft other tokens), and how many times each fused kernel ran on this rank."""
+    import hf_vegas_kernels
+
+    names = ("rms_norm", "qkv_rope_write", "sparse_draft_attention", "linear_residual_op", "linear_op")
+    calls = dict.fromkeys(names, 0)
+    originals = {name: getattr(hf_vegas_kernels, name) for name in names}
+
+    def counted(name):
+        def kernel(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return kernel
+
+    runs = {}
+    for fuse in (True, False):
+        options = dict(**common, **VEGAS, vegas_backend="triton", vegas_cuda_graphs=False, vegas_fuse_projections=fuse,
+                       return_dict_in_generate=True)
+        for name in names:
+            setattr(hf_vegas_kernels, name, counted(name) if fuse else originals[name])
+        try:
+            greedy = model.generate(ids, **options, do_sample=False)
+            torch.manual_seed(7)
+            sampled = model.generate(ids, **options, do_sample=True, temperature=0.8)
+        finally:
+            for name, kernel in originals.items():
+                setattr(hf_vegas_kernels, name, kernel)
+        runs["fused" if fuse else "plain"] = dict(
+            greedy=greedy.sequences.tolist(), accepted=greedy.accepted.tolist(), sampled=sampled.sequences.tolist(),
+            sampled_accepted=sampled.accepted.tolist())
+    return dict(**runs, calls=calls, restored=not any("forward" in vars(m) for m in model.model.layers))
 
 
 def _symmetric_memory_run(model, ids, common) -> dict:

@@ -19,9 +19,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import BUILDERS
+from tiny_models import BUILDERS, COMMON
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
+# The tiny models the ranks shard: each needs a KV head count the two ranks divide (the shared tiny Qwen3 has one).
+SHARDED = {
+    "llama": BUILDERS["llama"], "gemma3": BUILDERS["gemma3"],
+    "qwen3": lambda: Qwen3ForCausalLM(
+        Qwen3Config(**COMMON, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +37,10 @@ def gloo():
         pytest.skip("this torch build has no torch.distributed gloo backend")
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", list(SHARDED))
 def test_tensor_parallel_ranks_give_vanilla_greedy_and_agree_when_sampling(arch, tmp_path, gloo):
     torch.manual_seed(0)
-    BUILDERS[arch]().save_pretrained(tmp_path / "model")
+    SHARDED[arch]().save_pretrained(tmp_path / "model")
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
          str(tmp_path / "model"), str(tmp_path)],
@@ -82,6 +89,23 @@ def test_tensor_parallel_ranks_give_vanilla_greedy_and_agree_when_sampling(arch,
         assert fused["row_parallel_error"] < 1e-4, fused["row_parallel_error"]
         large = fused["large_counts"]
         assert large["attention"] > 0 and large["output"] == large["attention"] + large["mlp"], large
+    # Draft steps run Llama's layers as the fused kernels over each rank's shards (Gemma-3's keep their forward): each
+    # row-parallel partial product goes to transformers' sum, the first rank's with the residual, so the sum holds it
+    # once. In fp32 the drafts differ from the model's own layers' by rounding only: the same tokens and acceptances.
+    for rank in ranks:
+        layers = rank["fused_layers"]
+        assert layers["fused"]["greedy"] == layers["plain"]["greedy"] == rank["vanilla"]
+        assert layers["fused"]["accepted"] == layers["plain"]["accepted"]
+        assert layers["fused"]["sampled"] == layers["plain"]["sampled"]
+        assert layers["fused"]["sampled_accepted"] == layers["plain"]["sampled_accepted"]
+        assert layers["restored"]
+    calls = [rank["fused_layers"]["calls"] for rank in ranks]
+    if arch in ("llama", "qwen3"):  # (Qwen3's replicated q/k norms: a TP forward in 5.24, a backward hook in 5.17)
+        assert all(c["qkv_rope_write"] > 0 and c["sparse_draft_attention"] >= c["qkv_rope_write"] for c in calls)
+        assert calls[0]["linear_residual_op"] == 2 * calls[0]["qkv_rope_write"] and calls[0]["linear_op"] == 0, calls
+        assert calls[1]["linear_op"] == 2 * calls[1]["qkv_rope_write"] and calls[1]["linear_residual_op"] == 0, calls
+    else:
+        assert all(c["qkv_rope_write"] == 0 for c in calls), calls
     # A compiled step traces the sharded forward whole: with the backward hooks that transformers 5.17 puts on the
     # replicated norms (Gemma-3's q/k norms) set aside, as a compiled generation does, dynamo breaks no graph; nor in a
     # draft-sized forward whose projections run the kernels (the row-parallel ones then transformers' sum).
