@@ -59,7 +59,8 @@ def _head_norm_attention_source() -> str | None:
 @dataclasses.dataclass(frozen=True)
 class RowParallelSum:
     """A row-parallel projection's sum over the tensor-parallel ranks: its partial product handed to transformers' own
-    method (`RowwiseParallel.transform_output_post_forward`: the all-reduce, then the bias), as its forward does."""
+    method (`RowwiseParallel.transform_output_post_forward`: the all-reduce, then the bias, which fused layers never
+    have: `_row_parts` refuses a biased projection), as its forward does."""
 
     module: torch.nn.Module
     style: object
@@ -141,6 +142,10 @@ def layer_parts(layer) -> LayerParts | None:
     sharded = "forward" in vars(q)  # transformers' column-parallel forward: every projection must be sharded alike
     if sharded != (tp_sums is not None) or sharded != ("forward" in vars(mlp.gate_proj)):
         return None
+    if sharded and not _even_shards((q, k, v, mlp.gate_proj, mlp.up_proj), (o, mlp.down_proj), tp_sums[0].mesh):
+        return None
+    if wq.device != gate.device or wq.shape[1] != gate.shape[1]:  # (one input feeds attention and MLP alike)
+        return None
     if len({b is None for b in (bq, bk, bv)}) != 1:
         return None
     head_dim = getattr(attn, "head_dim", None)  # (shapes from the weights read: under TP, this rank's heads)
@@ -158,6 +163,10 @@ def layer_parts(layer) -> LayerParts | None:
     # (large weights whose sizes share no block of 16 for `qkv_linear` keep the one launch: slower, not wrong)
     split_qkv = _large(wq, wk, wv) and linear.block_n_for(wq.shape[0], wk.shape[0]) is not None
     if linear.block_n_for(gate.shape[0]) is None:
+        return None
+    # (under TP a rank's partial products run the kernel, which needs a column block: else it is refused on the ranks
+    # without the residual, while the first rank's `linear_residual_op` would take cuBLAS)
+    if sharded and linear.block_n_for(o_weight.shape[0]) is None:
         return None
     # Under TP the residual sums follow the ranks' sum of the partial products, so the norms cannot ride in them.
     fold_norms = not sharded and wq.dtype != torch.float16 and linear.block_n_for(o_weight.shape[0]) is not None
@@ -193,6 +202,19 @@ def _row_parts(o, down) -> tuple | None:
     if o_weight.stride(-1) != 1 or down_weight.stride(-1) != 1:
         return None
     return (o_weight, down_weight), (RowParallelSum(o, o_style, o_mesh), RowParallelSum(down, down_style, down_mesh))
+
+
+def _even_shards(columns, rows, mesh) -> bool:
+    """Whether every column-parallel weight's rows and every row-parallel weight's columns split evenly over the
+    mesh's tensor-parallel ranks. transformers lets the last rank hold a shorter slice: then the ranks' shards differ,
+    and one rank could fuse a layer (adding the residual to its partial product, or not) while another runs the
+    model's own, whose sum adds it after: the ranks would draft different tokens."""
+    names = list(mesh.mesh_dim_names or ())
+    if mesh.ndim > 1 and "tp" not in names:  # (transformers' sum would not find its group either)
+        return False
+    ranks = mesh.size() if mesh.ndim == 1 else mesh.size(names.index("tp"))
+    return (all(m.weight.shape[0] == m.weight.to_local().shape[0] * ranks for m in columns)
+            and all(m.weight.shape[1] == m.weight.to_local().shape[1] * ranks for m in rows))
 
 
 def _first_rank(mesh) -> bool:

@@ -67,12 +67,12 @@ and dense steps keep the model's own forward there.
 Which layers: the decoder layer, its attention and its norms run exactly the code of transformers' own Llama classes
 (compared as source text against the installed release, so a model whose code differs in anything, a bias on the
 output projection, a soft cap, another rotary convention, keeps its own forward), or Qwen3's attention, with plain
-`nn.Linear` projections (`fused_layer_parts`), in draft steps of few enough rows for the one-launch kernels to pay
-(`fused_projections._max_rows`: any draft of small weights, a few rows of large ones) and the verification and dense
-steps above, no hooks, and full attention in this generation (sliding-window layers keep their window). Everything
-else, and every prefill, runs the model's own forward. Instance `forward` attributes are removed when the block
-exits. Every kernel is a `torch.library` custom op, so a compiled step (`vegas_compile`) traces the fused layer with
-the rest.
+`nn.Linear` projections or transformers' tensor-parallel ones (`fused_layer_parts`), in draft steps of few enough
+rows for the one-launch kernels to pay (`fused_projections._max_rows`: any draft of small weights, a few rows of large
+ones) and the verification and dense steps above, no hooks, and full attention in this generation (sliding-window
+layers keep their window). Everything else, and every prefill, runs the model's own forward. Instance `forward`
+attributes are removed when the block exits. Every kernel is a `torch.library` custom op, so a compiled step
+(`vegas_compile`) traces the fused layer with the rest.
 """
 
 from __future__ import annotations

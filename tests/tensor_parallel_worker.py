@@ -58,7 +58,7 @@ def main(model_dir: str, out_dir: str) -> None:
         all_heads=dict(greedy=pooled.sequences.tolist(), accepted=pooled.accepted.tolist(),
                        selection=_selection(pooled_cache)),
         cache_kv_heads=int(cache.layers[0].keys.shape[2]),
-        model_kv_heads=int(model.config.num_key_value_heads),
+        model_kv_heads=int(model.config.num_key_value_heads), model_layers=len(model.model.layers),
         sharded=type(model.model.layers[0].self_attn.q_proj.weight).__name__, device=str(model.device),
         backend=cache.backend, graphs=hf_vegas.graphs.pooled_graphs(model) is not None,
     )
@@ -159,11 +159,17 @@ def _fused_projections_run(model, ids, common) -> dict:
 
 def _fused_layers_run(model, ids, common) -> dict:
     """Vegas greedy and sampling on the Triton backend (on the CPU in Triton's interpreter, without graphs), whose
-    draft steps run each standard layer as the fused kernels over this rank's shards (Llama's layers; Gemma-3's keep
-    their forward), and the same generations with `vegas_fuse_projections=False`, whose drafts run the model's own
-    layers: the tokens and the accepted counts of each pair (in fp32 the drafts differ by rounding only; a residual
-    summed twice or not at all would draft other tokens), and how many times each fused kernel ran on this rank."""
+    draft steps run each standard layer as the fused kernels over this rank's shards (Llama's and Qwen3's layers;
+    Gemma-3's keep their forward), and the same generations with `vegas_fuse_projections=False`, whose drafts run the
+    model's own layers: the tokens and the accepted counts of each pair (in fp32 the drafts differ by rounding only; a
+    residual summed twice or not at all would draft other tokens), how many times each fused kernel ran on this
+    rank, how many layers fuse, and whether every module has the forward it had (transformers' TP ones included)
+    afterwards."""
     import hf_vegas_kernels
+
+    from hf_vegas.fused_layer_parts import layer_parts
+
+    owns = {name: vars(module).get("forward") for name, module in model.named_modules()}
 
     names = ("rms_norm", "qkv_rope_write", "sparse_draft_attention", "linear_residual_op", "linear_op")
     calls = dict.fromkeys(names, 0)
@@ -191,7 +197,9 @@ def _fused_layers_run(model, ids, common) -> dict:
         runs["fused" if fuse else "plain"] = dict(
             greedy=greedy.sequences.tolist(), accepted=greedy.accepted.tolist(), sampled=sampled.sequences.tolist(),
             sampled_accepted=sampled.accepted.tolist())
-    return dict(**runs, calls=calls, restored=not any("forward" in vars(m) for m in model.model.layers))
+    restored = all(vars(module).get("forward") is owns[name] for name, module in model.named_modules())
+    return dict(**runs, calls=calls, restored=restored,
+                fusable=sum(layer_parts(layer) is not None for layer in model.model.layers))
 
 
 def _symmetric_memory_run(model, ids, common) -> dict:

@@ -57,8 +57,8 @@ def test_llama_and_qwen3_layers_fuse_and_the_others_keep_their_forward():
     qwen3.model.layers[1].self_attn.k_norm.variance_epsilon = 1e-3
     assert layer_parts(qwen3.model.layers[0]) is None and layer_parts(qwen3.model.layers[1]) is None
     assert layer_parts(qwen3.model.layers[2]) is not None
-    # ... without a forward of their own, but for the one transformers' tensor parallelism installs (the class's inside:
-    # tests/test_tensor_parallel.py fuses Qwen3's layers under it); any other instance forward is refused
+    # ... without a forward of their own, but for the one transformers' tensor parallelism installs (the class's
+    # inside: tests/test_tensor_parallel.py fuses Qwen3's layers under it); any other instance forward is refused
     qwen3.model.layers[2].self_attn.q_norm.forward = lambda x: x
     assert layer_parts(qwen3.model.layers[2]) is None
     hooked = tiny_model("llama")

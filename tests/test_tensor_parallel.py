@@ -89,9 +89,10 @@ def test_tensor_parallel_ranks_give_vanilla_greedy_and_agree_when_sampling(arch,
         assert fused["row_parallel_error"] < 1e-4, fused["row_parallel_error"]
         large = fused["large_counts"]
         assert large["attention"] > 0 and large["output"] == large["attention"] + large["mlp"], large
-    # Draft steps run Llama's layers as the fused kernels over each rank's shards (Gemma-3's keep their forward): each
-    # row-parallel partial product goes to transformers' sum, the first rank's with the residual, so the sum holds it
-    # once. In fp32 the drafts differ from the model's own layers' by rounding only: the same tokens and acceptances.
+    # Draft steps run Llama's and Qwen3's layers as the fused kernels over each rank's shards (Gemma-3's keep their
+    # forward): each row-parallel partial product goes to transformers' sum, the first rank's with the residual, so the
+    # sum holds it once. In fp32 the drafts differ from the model's own layers' by rounding only: the same tokens and
+    # acceptances.
     for rank in ranks:
         layers = rank["fused_layers"]
         assert layers["fused"]["greedy"] == layers["plain"]["greedy"] == rank["vanilla"]
@@ -101,11 +102,15 @@ def test_tensor_parallel_ranks_give_vanilla_greedy_and_agree_when_sampling(arch,
         assert layers["restored"]
     calls = [rank["fused_layers"]["calls"] for rank in ranks]
     if arch in ("llama", "qwen3"):  # (Qwen3's replicated q/k norms: a TP forward in 5.24, a backward hook in 5.17)
-        assert all(c["qkv_rope_write"] > 0 and c["sparse_draft_attention"] >= c["qkv_rope_write"] for c in calls)
+        count = ranks[0]["model_layers"]
+        assert all(rank["fused_layers"]["fusable"] == count for rank in ranks), "every layer fuses on every rank"
+        assert all(c["qkv_rope_write"] > 0 and c["qkv_rope_write"] % count == 0 for c in calls), calls
+        assert all(c["sparse_draft_attention"] >= c["qkv_rope_write"] for c in calls), calls
+        assert all(c["rms_norm"] == 2 * c["qkv_rope_write"] for c in calls), "both norms are launches under TP"
         assert calls[0]["linear_residual_op"] == 2 * calls[0]["qkv_rope_write"] and calls[0]["linear_op"] == 0, calls
         assert calls[1]["linear_op"] == 2 * calls[1]["qkv_rope_write"] and calls[1]["linear_residual_op"] == 0, calls
     else:
-        assert all(c["qkv_rope_write"] == 0 for c in calls), calls
+        assert all(c["qkv_rope_write"] == 0 and rank["fused_layers"]["fusable"] == 0 for c, rank in zip(calls, ranks))
     # A compiled step traces the sharded forward whole: with the backward hooks that transformers 5.17 puts on the
     # replicated norms (Gemma-3's q/k norms) set aside, as a compiled generation does, dynamo breaks no graph; nor in a
     # draft-sized forward whose projections run the kernels (the row-parallel ones then transformers' sum).
