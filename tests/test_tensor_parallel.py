@@ -95,6 +95,8 @@ def test_tensor_parallel_ranks_give_vanilla_greedy_and_agree_when_sampling(arch,
     # acceptances.
     for rank in ranks:
         layers = rank["fused_layers"]
+        if not layers["fusable"]:
+            continue
         assert layers["fused"]["greedy"] == layers["plain"]["greedy"] == rank["vanilla"]
         assert layers["fused"]["accepted"] == layers["plain"]["accepted"]
         assert layers["fused"]["sampled"] == layers["plain"]["sampled"]
