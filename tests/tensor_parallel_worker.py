@@ -66,6 +66,7 @@ def main(model_dir: str, out_dir: str) -> None:
     result["fused"] = _fused_projections_run(model, ids, common)
     result["fused_layers"] = _fused_layers_run(model, ids, common)
     result["traced"] = _compiled_trace(model, ids)
+    result["fused_draft_trace"] = _fused_draft_trace(model, ids)
     if rank == 0:  # the same generation with the whole model on one device: whose selection "all" must reproduce
         whole = AutoModelForCausalLM.from_pretrained(model_dir).to(model.device)
         single = whole.generate(ids, **common, do_sample=False, return_dict_in_generate=True, **VEGAS)
@@ -104,6 +105,48 @@ def _compiled_trace(model, ids) -> dict:
     return dict(hooks_set_aside=aside, graph_breaks=explained.graph_break_count,
                 graph_breaks_with_hooks=hooked.graph_break_count, graph_breaks_fused=fused.graph_break_count,
                 reasons=[str(reason.reason)[:300] for reason in (explained.break_reasons + fused.break_reasons)[:3]])
+
+
+def _fused_draft_trace(model, ids) -> dict:
+    """One draft step with the fused layers over this rank's shards (the row-parallel sums inside), eager and compiled
+    whole (`fullgraph`, through AOTAutograd's `aot_eager` as `tests/test_compiled_steps.py` does on one device): how
+    many layers fused, the compile error if dynamo could not trace it in one graph, and the largest logit difference
+    between the two (the same kernels and sums: none expected)."""
+    from transformers import LogitsProcessorList
+
+    from hf_vegas.attention import active_cache, vegas_attention
+    from hf_vegas.cache import VegasCache
+    from hf_vegas.config import VegasConfig
+    from hf_vegas.fused_layers import fused_steps
+    from hf_vegas.rotary_tables import rotary_tables_once
+    from hf_vegas.runner import StepRunner
+
+    batch, prompt = ids.shape
+    config = VegasConfig(gamma=3, sparsity=0.2, min_tokens=8, backend="triton")
+    cache = VegasCache(model.config, batch, prompt + 8, config, device=ids.device, backend="triton")
+    runner = StepRunner(model, cache, LogitsProcessorList(), do_sample=False)
+    token = ids[:, -1:]
+    result = dict(fused=0, error=None, difference=None)
+    with (torch.no_grad(), backward_hooks_set_aside(model), vegas_attention(model), active_cache(cache),
+          fused_steps(model, cache, enabled=True) as fused,
+          rotary_tables_once(model, skip=lambda: fused > 0 and cache.plan.mode == "draft")):
+        result["fused"] = fused
+        runner.prefill(ids)
+        committed = cache.plan.lengths.clone()
+        cache.begin("draft")
+        eager = runner._run_model(token, 1, None)
+        cache.plan.rollback(committed)
+        torch._dynamo.reset()
+        traced = torch.compile(runner._run_model, fullgraph=True, backend="aot_eager", dynamic=False)
+        cache.begin("draft")
+        try:
+            compiled = traced(token, 1, None)
+        except Exception as error:  # (reported to the test, which prints it)
+            result["error"] = f"{type(error).__name__}: {str(error)[:500]}"
+        else:
+            result["difference"] = (eager.float() - compiled.float()).abs().max().item()
+    torch._dynamo.reset()
+    return result
 
 
 def _fused_projections_run(model, ids, common) -> dict:

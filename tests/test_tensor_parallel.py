@@ -113,6 +113,13 @@ def test_tensor_parallel_ranks_give_vanilla_greedy_and_agree_when_sampling(arch,
         assert calls[1]["linear_op"] == 2 * calls[1]["qkv_rope_write"] and calls[1]["linear_residual_op"] == 0, calls
     else:
         assert all(c["qkv_rope_write"] == 0 and rank["fused_layers"]["fusable"] == 0 for c, rank in zip(calls, ranks))
+    # ... and a compiled draft step traces them whole, the row-parallel sums inside, and computes what the eager one
+    # does
+    for rank in ranks:
+        trace = rank["fused_draft_trace"]
+        assert trace["error"] is None, trace["error"]
+        assert trace["fused"] == rank["fused_layers"]["fusable"]
+        assert trace["difference"] < 1e-5, trace["difference"]
     # A compiled step traces the sharded forward whole: with the backward hooks that transformers 5.17 puts on the
     # replicated norms (Gemma-3's q/k norms) set aside, as a compiled generation does, dynamo breaks no graph; nor in a
     # draft-sized forward whose projections run the kernels (the row-parallel ones then transformers' sum).
