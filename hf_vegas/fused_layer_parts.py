@@ -209,18 +209,23 @@ def _even_shards(columns, rows, mesh) -> bool:
     mesh's tensor-parallel ranks. transformers lets the last rank hold a shorter slice: then the ranks' shards differ,
     and one rank could fuse a layer (adding the residual to its partial product, or not) while another runs the
     model's own, whose sum adds it after: the ranks would draft different tokens."""
-    names = list(mesh.mesh_dim_names or ())
-    if mesh.ndim > 1 and "tp" not in names:  # (transformers' sum would not find its group either)
+    dim = _tp_dim(mesh)
+    if dim is None:  # (transformers' sum would not find its group either)
         return False
-    ranks = mesh.size() if mesh.ndim == 1 else mesh.size(names.index("tp"))
+    ranks = mesh.size(dim)
     return (all(m.weight.shape[0] == m.weight.to_local().shape[0] * ranks for m in columns)
             and all(m.weight.shape[1] == m.weight.to_local().shape[1] * ranks for m in rows))
 
 
+def _tp_dim(mesh) -> int | None:
+    """`mesh`'s tensor-parallel dimension as transformers picks it (its only dimension, or the one named "tp")."""
+    names = list(mesh.mesh_dim_names or ())
+    return 0 if mesh.ndim == 1 else names.index("tp") if "tp" in names else None
+
+
 def _first_rank(mesh) -> bool:
-    """Whether this process is the first rank of `mesh`'s tensor-parallel dimension (as transformers picks it: the
-    mesh's only dimension, or the one named "tp")."""
-    return (mesh.get_local_rank() if mesh.ndim == 1 else mesh.get_local_rank("tp")) == 0
+    """Whether this process is the first rank of `mesh`'s tensor-parallel dimension (checked by `_even_shards`)."""
+    return mesh.get_local_rank(_tp_dim(mesh)) == 0
 
 
 def link_norms(decoder, parts: dict) -> None:

@@ -102,12 +102,6 @@ def _distributed(tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def _plain_linears(*modules) -> bool:
-    """`_linear_parts` without tensor parallelism: plain `nn.Linear`s whose weights are whole (the fused layers
-    also fold the row-parallel projections, which under TP sum over the ranks)."""
-    return _linear_parts(*modules) is not None and all("forward" not in vars(m) for m in modules)
-
-
 def _large(*weights) -> bool:
     """Whether one launch over these weights reads more than `MAX_WEIGHT_BYTES`."""
     return sum(w.numel() * w.element_size() for w in weights) > MAX_WEIGHT_BYTES

@@ -12,6 +12,7 @@ checks to OUT_DIR/rank<r>.json.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -155,45 +156,31 @@ def _fused_projections_run(model, ids, common) -> dict:
     as large, each row-parallel output and down projection's partial product through the single-projection kernel
     (transformers' own method then sums the ranks'): how many times each kernel ran (counted as the steps run eagerly
     and are captured), and whether every projection has its tensor-parallel forward back afterwards."""
-    import hf_vegas_kernels
-
     from hf_vegas import fused_projections as fused_module
     from hf_vegas.fused_projections import fused_projections
 
     owns = {name: vars(module).get("forward") for name, module in model.named_modules()}
-    calls = {"qkv_linear": 0, "gated_linear_op": 0, "linear_op": 0}
-    originals = {name: getattr(hf_vegas_kernels, name) for name in calls}
-
-    def counted(name):
-        def kernel(*args, **kwargs):
-            calls[name] += 1
-            return originals[name](*args, **kwargs)
-        return kernel
-
-    for name in calls:
-        setattr(hf_vegas_kernels, name, counted(name))
     limit, fused_module.MAX_WEIGHT_BYTES = fused_module.MAX_WEIGHT_BYTES, 0  # (drafts of 3 rows: at most 16)
     try:
-        out = model.generate(ids, **common, do_sample=False, **VEGAS, vegas_backend="triton")
-        restored = all(vars(module).get("forward") is owns[name] for name, module in model.named_modules())
-        # The kernels' products are the ones transformers' forwards compute from the same shards, the row-parallel
-        # ones summed over the ranks (a wrong slice, a dropped bias or a missing sum would only lower the acceptance
-        # above, never change a token).
-        layer = model.model.layers[0]
-        modules = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp,
-                   layer.self_attn.o_proj, layer.mlp.down_proj)
-        generator = torch.Generator().manual_seed(2)
-        inputs = [torch.randn(3, 1, width, generator=generator).to(model.device, model.dtype)
-                  for width in [model.config.hidden_size] * 4 + [layer.self_attn.o_proj.weight.to_local().shape[1],
-                                                                 layer.mlp.down_proj.weight.to_local().shape[1]]]
-        with torch.no_grad():
-            expected = [module(x) for module, x in zip(modules, inputs)]
-            with fused_projections(model) as large_counts:
-                fused = [module(x) for module, x in zip(modules, inputs)]
+        with _counted_kernels("qkv_linear", "gated_linear_op", "linear_op") as calls:
+            out = model.generate(ids, **common, do_sample=False, **VEGAS, vegas_backend="triton")
+            restored = all(vars(module).get("forward") is owns[name] for name, module in model.named_modules())
+            # The kernels' products are the ones transformers' forwards compute from the same shards, the
+            # row-parallel ones summed over the ranks (a wrong slice, a dropped bias or a missing sum would only lower
+            # the acceptance above, never change a token).
+            layer = model.model.layers[0]
+            modules = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp,
+                       layer.self_attn.o_proj, layer.mlp.down_proj)
+            generator = torch.Generator().manual_seed(2)
+            inputs = [torch.randn(3, 1, width, generator=generator).to(model.device, model.dtype)
+                      for width in [model.config.hidden_size] * 4 + [layer.self_attn.o_proj.weight.to_local().shape[1],
+                                                                     layer.mlp.down_proj.weight.to_local().shape[1]]]
+            with torch.no_grad():
+                expected = [module(x) for module, x in zip(modules, inputs)]
+                with fused_projections(model) as large_counts:
+                    fused = [module(x) for module, x in zip(modules, inputs)]
     finally:
         fused_module.MAX_WEIGHT_BYTES = limit
-        for name, kernel in originals.items():
-            setattr(hf_vegas_kernels, name, kernel)
     errors = [(a.float() - b.float()).abs().max().item() for a, b in zip(fused, expected)]
     return dict(greedy=out.tolist(), calls=calls, restored=restored, projection_error=max(errors[:4]),
                 row_parallel_error=max(errors[4:]), large_counts=large_counts,
@@ -208,13 +195,37 @@ def _fused_layers_run(model, ids, common) -> dict:
     residual summed twice or not at all would draft other tokens), how many times each fused kernel ran on this
     rank, how many layers fuse, and whether every module has the forward it had (transformers' TP ones included)
     afterwards."""
-    import hf_vegas_kernels
-
     from hf_vegas.fused_layer_parts import layer_parts
 
     owns = {name: vars(module).get("forward") for name, module in model.named_modules()}
-
     names = ("rms_norm", "qkv_rope_write", "sparse_draft_attention", "linear_residual_op", "linear_op")
+    calls = dict.fromkeys(names, 0)
+    fusable = sum(layer_parts(layer) is not None for layer in model.model.layers)
+    if not fusable:  # (Gemma-3's layers: no fused draft to compare, the generations would repeat the ones above)
+        return dict(calls=calls, fusable=0)
+    runs = {}
+    for fuse in (True, False):
+        options = dict(**common, **VEGAS, vegas_backend="triton", vegas_cuda_graphs=False, vegas_fuse_projections=fuse,
+                       return_dict_in_generate=True)
+        with _counted_kernels(*names) as counted:
+            greedy = model.generate(ids, **options, do_sample=False)
+            torch.manual_seed(7)
+            sampled = model.generate(ids, **options, do_sample=True, temperature=0.8)
+        if fuse:
+            calls = counted
+        runs["fused" if fuse else "plain"] = dict(
+            greedy=greedy.sequences.tolist(), accepted=greedy.accepted.tolist(), sampled=sampled.sequences.tolist(),
+            sampled_accepted=sampled.accepted.tolist())
+    restored = all(vars(module).get("forward") is owns[name] for name, module in model.named_modules())
+    return dict(**runs, calls=calls, restored=restored, fusable=fusable)
+
+
+@contextlib.contextmanager
+def _counted_kernels(*names):
+    """Inside the block, each of the named `hf_vegas_kernels` ops counts its calls (counted as the steps run eagerly
+    and are captured; a graph replay runs no Python) into the dict it yields; the ops are put back when it exits."""
+    import hf_vegas_kernels
+
     calls = dict.fromkeys(names, 0)
     originals = {name: getattr(hf_vegas_kernels, name) for name in names}
 
@@ -224,27 +235,13 @@ def _fused_layers_run(model, ids, common) -> dict:
             return originals[name](*args, **kwargs)
         return kernel
 
-    fusable = sum(layer_parts(layer) is not None for layer in model.model.layers)
-    if not fusable:  # (Gemma-3's layers: no fused draft to compare, the generations would repeat the ones above)
-        return dict(calls=calls, fusable=0)
-    runs = {}
-    for fuse in (True, False):
-        options = dict(**common, **VEGAS, vegas_backend="triton", vegas_cuda_graphs=False, vegas_fuse_projections=fuse,
-                       return_dict_in_generate=True)
+    try:
         for name in names:
-            setattr(hf_vegas_kernels, name, counted(name) if fuse else originals[name])
-        try:
-            greedy = model.generate(ids, **options, do_sample=False)
-            torch.manual_seed(7)
-            sampled = model.generate(ids, **options, do_sample=True, temperature=0.8)
-        finally:
-            for name, kernel in originals.items():
-                setattr(hf_vegas_kernels, name, kernel)
-        runs["fused" if fuse else "plain"] = dict(
-            greedy=greedy.sequences.tolist(), accepted=greedy.accepted.tolist(), sampled=sampled.sequences.tolist(),
-            sampled_accepted=sampled.accepted.tolist())
-    restored = all(vars(module).get("forward") is owns[name] for name, module in model.named_modules())
-    return dict(**runs, calls=calls, restored=restored, fusable=fusable)
+            setattr(hf_vegas_kernels, name, counted(name))
+        yield calls
+    finally:
+        for name, kernel in originals.items():
+            setattr(hf_vegas_kernels, name, kernel)
 
 
 def _symmetric_memory_run(model, ids, common) -> dict:

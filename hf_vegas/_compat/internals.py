@@ -175,24 +175,15 @@ def _tensor_parallel_forward(linear, style_name: str) -> tuple | None:
     """(layer style, mesh) if `linear`'s forward is transformers' tensor-parallel one (`TensorParallelLayer.
     install_forward`'s `tp_forward`, a closure over the style (`self`), the module, the mesh and the forward it wraps:
     5.17.0 and 5.24.0) of the style class `style_name` exactly, wrapping `nn.Linear`'s own forward; else None."""
-    forward = vars(linear).get("forward")
-    code = getattr(forward, "__code__", None)
-    if code is None or code.co_name != "tp_forward" or forward.__closure__ is None:
+    captured = _tp_forward_closure(linear)
+    if captured is None:
         return None
     try:
         from transformers.distributed import tensor_parallel
     except ImportError:
         return None
-    try:
-        captured = dict(zip(code.co_freevars, (cell.cell_contents for cell in forward.__closure__)))
-    except ValueError:  # an empty cell
-        return None
-    style, wrapped = captured.get("self"), captured.get("original_forward")
+    style = captured.get("self")
     if type(style) is not getattr(tensor_parallel, style_name, None) or captured.get("module") is not linear:
-        return None
-    # the forward it wraps must be nn.Linear's own (not another instance forward installed before it)
-    if (getattr(wrapped, "__func__", None) is not type(linear).forward
-            or getattr(wrapped, "__self__", None) is not linear):
         return None
     return style, captured.get("mesh")
 
@@ -202,17 +193,28 @@ def replicated_norm_forward(module) -> bool:
     a column- and a row-parallel layer (`ReplicatedWithGradAllReduce.install_forward`'s `tp_forward`, 5.24.0: Qwen3's
     `q_norm` and `k_norm`), wrapping the class's own forward: without gradients it runs just that forward (with them
     it hooks the weight's gradient). 5.17.0 puts a module backward hook there instead and no forward."""
+    qualname = getattr(vars(module).get("forward"), "__qualname__", "")
+    return (qualname == "ReplicatedWithGradAllReduce.install_forward.<locals>.tp_forward"
+            and _tp_forward_closure(module) is not None)
+
+
+def _tp_forward_closure(module) -> dict | None:
+    """The variables `module`'s instance forward closes over, if it is a `tp_forward` of transformers' tensor
+    parallelism wrapping the class's own forward (`original_forward`; not another instance forward installed before
+    it), else None."""
     forward = vars(module).get("forward")
-    qualname = getattr(forward, "__qualname__", "")
-    if qualname != "ReplicatedWithGradAllReduce.install_forward.<locals>.tp_forward" or forward.__closure__ is None:
-        return False
+    code = getattr(forward, "__code__", None)
+    if code is None or code.co_name != "tp_forward" or forward.__closure__ is None:
+        return None
     try:
-        captured = dict(zip(forward.__code__.co_freevars, (cell.cell_contents for cell in forward.__closure__)))
+        captured = dict(zip(code.co_freevars, (cell.cell_contents for cell in forward.__closure__)))
     except ValueError:  # an empty cell
-        return False
+        return None
     wrapped = captured.get("original_forward")
-    return (getattr(wrapped, "__func__", None) is type(module).forward
-            and getattr(wrapped, "__self__", None) is module)
+    if (getattr(wrapped, "__func__", None) is not type(module).forward
+            or getattr(wrapped, "__self__", None) is not module):
+        return None
+    return captured
 
 
 def column_parallel_shard(linear) -> tuple | None:
