@@ -19,6 +19,13 @@ all-reduce is hf_vegas' own op (`hf_vegas.symmetric_all_reduce.symmetric_all_red
 `vegas_tp_all_reduce="symmetric_memory"` runs): an op with a fake, as torch 2.11 has none for the symmetric op and
 dynamo refused it. (The records up to 689c543 ran this script's own copy of that op: the same kernel call.)
 Rank 0 prints a line and appends a record to `--out` per row count.
+
+`--norm` times instead what a fused draft layer under TP = 2 runs after each row-parallel projection: the sum and the
+RMSNorm after it, as the one-shot all-reduce then a norm launch (`hf_vegas_kernels.rms_norm`), against the push
+all-reduce with the norm in the same launch (`hf_vegas_kernels.all_reduce_norm`, one barrier per sum, alternating
+halves of a receive buffer). Each link of the chains normalises the sum of the one before it (the values stay
+bounded); the sums are compared bit for bit with the one-shot ones in an eager link, the chains' last norms are
+compared within a bf16 rounding.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-from hf_vegas.symmetric_all_reduce import symmetric_all_reduce_
+from hf_vegas.symmetric_all_reduce import Exchange, symmetric_all_reduce_
 
 
 # Chained all-reduces of two ranks double the values each time; bf16's range (as fp32's) holds 2**127.
@@ -82,6 +89,54 @@ def measure(rows: int, hidden: int, count: int, replays: int, compile_chain: boo
                 chain_equal=chain_equal)
 
 
+def measure_norm(rows: int, hidden: int, count: int, replays: int, group_name: str) -> dict:
+    import hf_vegas_kernels as kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(dist.get_rank())
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)))
+    weight = weight.to(torch.bfloat16)
+    buffer = symm_mem.empty(rows * hidden, device="cuda", dtype=torch.bfloat16)
+    symm_mem.rendezvous(buffer, group=group_name)
+    exchange = Exchange.allocate(rows, hidden, torch.bfloat16, torch.device("cuda"), group_name)
+
+    def separate(y):
+        symmetric_all_reduce_(y, buffer, group_name)
+        return y, kernels.rms_norm(y, weight, 1e-6)
+
+    def fused(y, parity):
+        return kernels.all_reduce_norm(y, weight, 1e-6, *exchange.half(parity))
+
+    want_sum, want_norm = separate(x.clone())
+    got_sum, got_norm = fused(x.clone(), 0)
+    eager_equal = not tensor_parallel_runs.any_rank_failed(not torch.equal(got_sum, want_sum))
+    ys = {"separate": x.clone(), "fused": x.clone()}
+
+    def separate_chain():
+        y = ys["separate"]
+        for _ in range(count):
+            y = separate(y.clone())[1]
+        ys["separate_out"] = y
+
+    def fused_chain():
+        y = ys["fused"]
+        for i in range(count):
+            y = fused(y, i % 2)[1]
+        ys["fused_out"] = y
+
+    graphs = {name: tensor_parallel_runs.capture(run, warmups=1)
+              for name, run in (("separate", separate_chain), ("fused", fused_chain))}
+    for graph in graphs.values():
+        graph.replay()
+    torch.cuda.synchronize()
+    diff = (ys["separate_out"].float() - ys["fused_out"].float()).abs().max().item()
+    chain_close = not tensor_parallel_runs.any_rank_failed(not diff <= 0.05)
+    times = {name: min(tensor_parallel_runs.replay_ms(g, replays) for _ in range(2)) for name, g in graphs.items()}
+    return dict(rows=rows, hidden=hidden, dtype="bfloat16", count=count, kind="sum+norm",
+                one_shot_then_norm_us=times["separate"] / count * 1e3, fused_push_us=times["fused"] / count * 1e3,
+                eager_sums_equal=eager_equal, chain_norm_max_diff=diff, chain_close=chain_close)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", type=int, default=[16, 64, 112])
@@ -89,6 +144,8 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=73, help="all-reduces per captured graph")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--compile", action="store_true", help="torch.compile the symmetric chain before capture")
+    parser.add_argument("--norm", action="store_true",
+                        help="time the sum + RMSNorm of a fused TP layer: one-shot + norm launch against the fused op")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/all_reduce.jsonl"))
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     args = parser.parse_args()
@@ -107,6 +164,21 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     group_name = dist.group.WORLD.group_name
+    if args.norm:
+        if dist.get_world_size() != 2:
+            raise SystemExit("--norm sums over exactly 2 ranks (the fused op's peer): torchrun --nproc_per_node 2")
+        if dist.get_rank() == 0:
+            print(f"{'rows':>5} {'one-shot + norm us':>19} {'fused us':>9} {'sums equal':>11} {'norm diff':>10}",
+                  flush=True)
+        for rows in args.rows:
+            record = measure_norm(rows, args.hidden, args.count, args.replays, group_name)
+            if dist.get_rank() == 0:
+                results_io.append_records(args.out, [dict(provenance.gpu_run(args.commit),
+                                                          world_size=dist.get_world_size(), **record)])
+                print(f"{rows:5d} {record['one_shot_then_norm_us']:19.2f} {record['fused_push_us']:9.2f} "
+                      f"{str(record['eager_sums_equal']):>11} {record['chain_norm_max_diff']:10.4f}", flush=True)
+        tensor_parallel_runs.finish()
+        return
     if dist.get_rank() == 0:
         print(f"{'rows':>5} {'NCCL us':>8} {'one-shot us':>12} {'eager equal':>12} {'chain equal':>12}", flush=True)
     for rows in args.rows:  # each row count's record is written as soon as it is measured

@@ -72,8 +72,9 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
         active_cache(cache),
         compat.candidate_generator(model, drafter),
         placement.device_guard(input_ids.device),
-        fused_steps(model, cache, backend_name == "triton" and config.fuse_projections and not cache.spread),
-        symmetric_all_reduce.symmetric_all_reduces(model, config.gamma + 1, input_ids.device, symmetric),
+        symmetric_all_reduce.symmetric_all_reduces(model, config.gamma + 1, input_ids.device, symmetric) as exchange,
+        fused_steps(model, cache, backend_name == "triton" and config.fuse_projections and not cache.spread,
+                    exchange),
     ):
         return model.generate(
             input_ids,

@@ -137,12 +137,14 @@ def generate(
         logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
     )
     with (placement.device_guard(input_ids.device), pooled as (cache, step_graphs), vegas_attention(model),
-          active_cache(cache), fused_steps(model, cache, fusing) as fused_layers,
+          active_cache(cache),
+          symmetric_all_reduces(model, input_ids.shape[0] * (config.max_gamma + 1), input_ids.device,
+                                symmetric) as exchange,
+          fused_steps(model, cache, fusing, exchange) as fused_layers,
           rotary_tables_once(model, enabled=config.compile,
                              skip=lambda: fused_layers > 0 and cache.plan.mode == "draft"),
           weights_left_linears(model, enabled=cache.eager_ops),
-          backward_hooks_set_aside(model, enabled=config.compile),
-          symmetric_all_reduces(model, input_ids.shape[0] * (config.max_gamma + 1), input_ids.device, symmetric)):
+          backward_hooks_set_aside(model, enabled=config.compile)):
         cache.selection.pool_over(group)
         loop = DecodeLoop(model, cache, step_graphs, input_ids, left_pad, max_new, logits_processor, stopping_criteria,
                      generation_config, streamer, recorder)

@@ -119,7 +119,7 @@ def _applies(parts: LayerParts, cache, hidden_states: torch.Tensor, args: tuple,
 
 
 def _fused_forward(parts: LayerParts, cache, hidden_states: torch.Tensor, position_embeddings,
-                   carry: dict) -> torch.Tensor:
+                   carry: dict, exchange) -> torch.Tensor:
     kernels = cache.ops  # the Triton backend's: fused layers run on no other
     batch, tokens, hidden = hidden_states.shape
     x = hidden_states.reshape(batch * tokens, hidden)
@@ -155,8 +155,10 @@ def _fused_forward(parts: LayerParts, cache, hidden_states: torch.Tensor, positi
         attn, _ = attend(cache, parts.attention, q.transpose(1, 2), store.keys.transpose(1, 2),
                          store.values.transpose(1, 2), parts.scaling, None, None, None)
     attn = attn.reshape(batch * tokens, -1)
-    rest = _tensor_parallel_rest if parts.tp_sums is not None else _rest
-    out, scaled, sums = rest(kernels, parts, attn, x)
+    if parts.tp_sums is not None:
+        out, scaled, sums = _tensor_parallel_rest(kernels, parts, attn, x, exchange)
+    else:
+        out, scaled, sums = _rest(kernels, parts, attn, x)
     out = out.view(batch, tokens, hidden)
     scaled = None if scaled is None else scaled.view(batch, tokens, hidden)
     if parts.hands_on:
@@ -180,15 +182,34 @@ def _rest(kernels, parts: LayerParts, attn: torch.Tensor, x: torch.Tensor) -> tu
     return kernels.linear_residual_norm(gated, parts.down, x, parts.next_norm[0])
 
 
-def _tensor_parallel_rest(kernels, parts: LayerParts, attn: torch.Tensor, x: torch.Tensor) -> tuple:
+def _tensor_parallel_rest(kernels, parts: LayerParts, attn: torch.Tensor, x: torch.Tensor, exchange) -> tuple:
     """Under tensor parallelism, a layer after its attention: the output projection's partial products summed over
     the ranks (with the residual), the norm, this rank's gate/up columns, the down projection's sum (with the
-    residual). Two sums per layer, as the model's own forward makes; the norms are launches of their own, as their
-    input is whole only after a sum."""
-    x = parts.tp_sums[0](_partial_product(kernels, attn, parts.o_weight, x, parts.adds_residual))
-    normed = kernels.rms_norm(x, parts.norm_post, parts.eps_post)
+    residual). Two sums per layer, as the model's own forward makes.
+
+    Through an `exchange` (`symmetric_all_reduce.Exchange`, two ranks) each sum and the norm after it are one launch
+    (`all_reduce_norm`), and the down projection's sum hands the next fused layer its input norm; the two sums take
+    the exchange's two halves in turn (every fused layer starts on half 0 after one that ended on half 1). Otherwise
+    each sum is transformers' own (`LayerParts.tp_sums`) and each norm a launch of its own."""
+    o_partial = _partial_product(kernels, attn, parts.o_weight, x, parts.adds_residual)
+    if not _exchanges(exchange, o_partial):
+        x = parts.tp_sums[0](o_partial)
+        normed = kernels.rms_norm(x, parts.norm_post, parts.eps_post)
+        gated = kernels.gated_linear_op(normed, parts.gate, parts.up, parts.act)
+        return parts.tp_sums[1](_partial_product(kernels, gated, parts.down, x, parts.adds_residual)), None, None
+    x, normed = kernels.all_reduce_norm(o_partial, parts.norm_post, parts.eps_post, *exchange.half(0))
     gated = kernels.gated_linear_op(normed, parts.gate, parts.up, parts.act)
-    return parts.tp_sums[1](_partial_product(kernels, gated, parts.down, x, parts.adds_residual)), None, None
+    norm, eps = parts.following_norm or (None, 0.0)
+    out, next_normed = kernels.all_reduce_norm(_partial_product(kernels, gated, parts.down, x, parts.adds_residual),
+                                               norm, eps, *exchange.half(1))
+    return out, next_normed if norm is not None else None, None
+
+
+def _exchanges(exchange, partial: torch.Tensor) -> bool:
+    """Whether `partial` is summed through `exchange`: one is given, in its dtype, with room for its rows (shapes
+    and dtypes only: a compiled step's trace decides alike)."""
+    return (exchange is not None and partial.dtype == exchange.recv.dtype
+            and partial.shape[0] <= exchange.recv.shape[1] and partial.shape[1] == exchange.recv.shape[2])
 
 
 def _partial_product(kernels, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
@@ -211,10 +232,11 @@ def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def fused_layers(model, cache):
+def fused_layers(model, cache, exchange=None):
     """Inside the block, the decoder layers of `model` that `layer_parts` accepts run their draft steps, and where
     `_applies` says so their verification and dense steps, over `cache` as fused launches (Triton backend); every
-    other forward runs as before. Yields the number of layers fused."""
+    other forward runs as before. Under tensor parallelism their sums over the ranks go through `exchange` where one
+    is given (`symmetric_all_reduce.symmetric_all_reduces`). Yields the number of layers fused."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     all_parts = {layer: parts for layer in decoder.modules() if (parts := layer_parts(layer)) is not None}
     link_norms(decoder, all_parts)
@@ -226,7 +248,8 @@ def fused_layers(model, cache):
 
             def forward(hidden_states, *args, _layer=layer, _parts=parts, _standard=standard, **kwargs):
                 if _applies(_parts, cache, hidden_states, args, kwargs):
-                    return _fused_forward(_parts, cache, hidden_states, kwargs["position_embeddings"], carry)
+                    return _fused_forward(_parts, cache, hidden_states, kwargs["position_embeddings"], carry,
+                                          exchange)
                 carry.pop(_parts.layer_idx, None)  # a norm input handed to this layer, unused, is not kept
                 return _standard(_layer, hidden_states, *args, **kwargs)
 
@@ -240,15 +263,16 @@ def fused_layers(model, cache):
 
 
 @contextlib.contextmanager
-def fused_steps(model, cache, enabled: bool):
+def fused_steps(model, cache, enabled: bool, exchange=None):
     """The fused layers (draft steps, and from `FULL_STEP_MIN_BATCH` rows on verification and dense steps), and the
     one-launch projections of the layers they do not cover (`fused_projections`, in draft steps only: elsewhere those
-    layers keep the model's own projections); a no-op context when not `enabled`. Yields the number of layers fused."""
+    layers keep the model's own projections); a no-op context when not `enabled`. `exchange`: see `fused_layers`.
+    Yields the number of layers fused."""
     if not enabled:
         yield 0
         return
     # A fused layer calls the sparse kernel itself: it would skip a policy that chooses in the attention function.
     layers = (contextlib.nullcontext(0) if cache.selection.policy.selects_while_drafting
-              else fused_layers(model, cache))
+              else fused_layers(model, cache, exchange))
     with layers as fused, fused_projections(model, active=lambda: cache.plan.mode == "draft"):
         yield fused

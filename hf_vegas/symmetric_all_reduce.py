@@ -39,6 +39,7 @@ their work was done, hence `release_buffers`, after which (f4a80ab) the worker a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -107,6 +108,43 @@ def release_buffers() -> None:
     rank at the same point, while the process group is alive (freeing symmetric memory may be collective), e.g.
     before `destroy_process_group`."""
     _buffers.clear()
+    _exchanges.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """What `hf_vegas_kernels.all_reduce_norm` sums two ranks' rows through: this rank's receive buffer `(2, rows,
+    hidden)` (two halves that consecutive sums alternate) and the peer's, mapped into this process, and one int32
+    signal flag per row on each rank's signal pad (which starts zeroed and which the op leaves zeroed)."""
+
+    recv: Tensor
+    peer_recv: Tensor
+    pad: Tensor
+    peer_pad: Tensor
+
+    @classmethod
+    def allocate(cls, rows: int, hidden: int, dtype: torch.dtype, device: torch.device, group_name: str) -> "Exchange":
+        """A new exchange (a collective: every rank of the two-rank group at the same point)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if rows * 4 > symm_mem.get_signal_pad_size():
+            raise ValueError(f"{OPTION}: {rows} rows need {rows * 4} bytes of signal flags, more than the "
+                             f"{symm_mem.get_signal_pad_size()} of a signal pad")
+        buffer = symm_mem.empty(2 * rows * hidden, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(buffer, group=group_name)
+        if handle.world_size != 2:
+            raise ValueError(f"{OPTION}: the fused sum and norm run on 2 ranks, this group has {handle.world_size}")
+        peer = 1 - handle.rank
+        return cls(recv=buffer.view(2, rows, hidden), peer_recv=handle.get_buffer(peer, (2, rows, hidden), dtype),
+                   pad=handle.get_signal_pad(handle.rank, (rows,), dtype=torch.int32),
+                   peer_pad=handle.get_signal_pad(peer, (rows,), dtype=torch.int32))
+
+    def half(self, parity: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """`all_reduce_norm`'s `(peer_recv, recv, peer_pad, pad)` for a sum of this `parity` (0 or 1)."""
+        return self.peer_recv[parity], self.recv[parity], self.peer_pad, self.pad
+
+
+_exchanges: dict[tuple[str, torch.device, torch.dtype, int, int], Exchange] = {}
 
 
 def buffer_for(group, numel: int, device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -153,9 +191,12 @@ def _has_one_shot_op() -> bool:
 @contextlib.contextmanager
 def symmetric_all_reduces(model, rows: int, device: torch.device, enabled: bool = True):
     """Inside the block, transformers' tensor-parallel all-reduces of `model` that fit `rows` rows of its hidden size
-    run through symmetric memory (see the module docstring); a no-op block when not `enabled`. `check` first."""
+    run through symmetric memory (see the module docstring); a no-op block when not `enabled`. `check` first.
+
+    Yields the `Exchange` through which fused draft layers sum their rows with the norm after each sum
+    (`hf_vegas_kernels.all_reduce_norm`), or None when not `enabled`."""
     if not enabled:
-        yield
+        yield None
         return
     group = tensor_parallel.tp_group(model, _NEEDS_GROUP)
     module = compat.tensor_parallel_module()
@@ -163,9 +204,20 @@ def symmetric_all_reduces(model, rows: int, device: torch.device, enabled: bool 
         raise RuntimeError(f"{OPTION}: another generation in this process already sums through symmetric memory; "
                            "run them one after the other.")
     buffer = buffer_for(group, buffer_numel(model, rows), device, model.dtype)
+    exchange = exchange_for(group, rows, model.config.get_text_config(decoder=True).hidden_size, device, model.dtype)
     previous = module.dist
     module.dist = _Distributed(group, buffer)
     try:
-        yield
+        yield exchange
     finally:
         module.dist = previous
+
+
+def exchange_for(group, rows: int, hidden: int, device: torch.device, dtype: torch.dtype) -> Exchange:
+    """The group's exchange for sums of up to `rows` rows (rounded up to a power of two) of `hidden` values (a
+    collective, the first time a size is asked for); kept as the buffers are, for the graphs captured over it."""
+    rows = 1 << max(rows - 1, 0).bit_length()
+    key = (group.group_name, torch.device(device), dtype, rows, hidden)
+    if key not in _exchanges:
+        _exchanges[key] = Exchange.allocate(rows, hidden, dtype, device, group.group_name)
+    return _exchanges[key]

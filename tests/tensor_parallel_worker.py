@@ -245,15 +245,23 @@ def _counted_kernels(*names):
 
 
 def _symmetric_memory_run(model, ids, common) -> dict:
-    """Vegas greedy with `vegas_tp_all_reduce="symmetric_memory"` and how many all-reduces took that path (counted
-    as the steps run eagerly and are captured; a replay runs no Python), or the error (on the CPU it is refused
-    before any forward)."""
+    """Vegas greedy with `vegas_tp_all_reduce="symmetric_memory"` and how many all-reduces took that path, and how
+    many sums of fused draft layers went through the two-rank sum + norm op (counted as the steps run eagerly and are
+    captured; a replay runs no Python), with the acceptances of the fused layers (Triton backend, no graphs) with
+    and without it; or the error (on the CPU it is refused before any forward)."""
     calls = []
     original = symmetric_all_reduce.symmetric_all_reduce_
     symmetric_all_reduce.symmetric_all_reduce_ = lambda *args: calls.append(1) or original(*args)
     try:
         out = model.generate(ids, **common, do_sample=False, **VEGAS, vegas_tp_all_reduce="symmetric_memory")
-        return dict(greedy=out.tolist(), symmetric_calls=len(calls))
+        result = dict(greedy=out.tolist(), symmetric_calls=len(calls))
+        options = dict(**common, **VEGAS, do_sample=False, vegas_backend="triton", vegas_cuda_graphs=False,
+                       return_dict_in_generate=True)
+        with _counted_kernels("all_reduce_norm") as counted:
+            fused = model.generate(ids, **options, vegas_tp_all_reduce="symmetric_memory")
+        nccl = model.generate(ids, **options)
+        return dict(result, fused_sums=counted["all_reduce_norm"], fused_greedy=fused.sequences.tolist(),
+                    fused_accepted=fused.accepted.tolist(), nccl_accepted=nccl.accepted.tolist())
     except ValueError as error:
         return dict(error=str(error), symmetric_calls=len(calls))
     finally:

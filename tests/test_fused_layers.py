@@ -344,13 +344,13 @@ def test_a_layer_given_other_rotary_tables_than_its_predecessor_uses_its_own(mon
     fused_forward = fused_module._fused_forward
 
     def with_tables(shift: bool, handed: bool):
-        def forward(parts, cache, hidden_states, position_embeddings, carry):
+        def forward(parts, cache, hidden_states, position_embeddings, carry, exchange):
             if parts.layer_idx == 1:
                 if shift:
                     position_embeddings = tuple(t.roll(1, dims=-1) for t in position_embeddings)
                 if not handed:  # (another tensor: no norm input, nor tables, is taken from layer 0)
                     hidden_states = hidden_states.clone()
-            return fused_forward(parts, cache, hidden_states, position_embeddings, carry)
+            return fused_forward(parts, cache, hidden_states, position_embeddings, carry, exchange)
 
         monkeypatch.setattr(fused_module, "_fused_forward", forward)
         return _draft_step(model, ids, mask, fused=True)

@@ -61,13 +61,17 @@ def test_installed_for_the_block_only_also_when_it_raises(monkeypatch):
     monkeypatch.setattr(symmetric_all_reduce.tensor_parallel, "tp_group", lambda model, needed_by: group)
     monkeypatch.setattr(symmetric_all_reduce, "buffer_for",
                         lambda group, numel, device, dtype: made.append(numel) or torch.empty(numel, dtype=dtype))
+    monkeypatch.setattr(symmetric_all_reduce, "exchange_for",
+                        lambda group, rows, hidden, device, dtype: made.append((rows, hidden)) or "exchange")
     model = tiny_model("llama")
-    with symmetric_all_reduce.symmetric_all_reduces(model, 12, torch.device("cpu"), enabled=False):
-        assert module.dist is torch.distributed and not made
+    with symmetric_all_reduce.symmetric_all_reduces(model, 12, torch.device("cpu"), enabled=False) as exchange:
+        assert module.dist is torch.distributed and not made and exchange is None
     with pytest.raises(RuntimeError, match="inside"):
-        with symmetric_all_reduce.symmetric_all_reduces(model, 12, torch.device("cpu")):
+        with symmetric_all_reduce.symmetric_all_reduces(model, 12, torch.device("cpu")) as exchange:
             assert isinstance(module.dist, symmetric_all_reduce._Distributed)
-            assert made == [16 * model.config.hidden_size], "the largest step's rows (to a power of two) of hidden"
+            hidden = model.config.hidden_size
+            assert made == [16 * hidden, (12, hidden)], "the largest step's rows (to a power of two) of hidden"
+            assert exchange == "exchange", "the block yields the fused layers' exchange"
             with pytest.raises(RuntimeError, match="already sums through symmetric memory"):
                 with symmetric_all_reduce.symmetric_all_reduces(model, 12, torch.device("cpu")):
                     pass

@@ -74,6 +74,15 @@ def test_tensor_parallel_ranks_give_vanilla_greedy_and_agree_when_sampling(arch,
         if rank["device"].startswith("cuda"):
             assert symmetric.get("greedy") == rank["vanilla"], symmetric.get("error")
             assert symmetric["symmetric_calls"] > 0, "no all-reduce went through symmetric memory"
+            # Fused draft layers sum over the ranks and normalise in one launch (`all_reduce_norm`), two per layer
+            # and draft step; in fp32 they draft what the fused layers draft through NCCL (rounding only).
+            assert symmetric["fused_greedy"] == rank["vanilla"]
+            if arch in ("llama", "qwen3"):
+                layers = rank["model_layers"]
+                assert symmetric["fused_sums"] > 0 and symmetric["fused_sums"] % (2 * layers) == 0, symmetric
+                assert symmetric["fused_accepted"] == symmetric["nccl_accepted"]
+            else:
+                assert symmetric["fused_sums"] == 0, symmetric
         else:
             assert "needs CUDA devices" in symmetric["error"] and symmetric["symmetric_calls"] == 0
     # Draft steps on the Triton backend run each rank's column-parallel q/k/v and gate/up as one kernel over its

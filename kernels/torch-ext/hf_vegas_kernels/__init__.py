@@ -1,9 +1,10 @@
 """hf_vegas_kernels: the ops of hf_vegas, each in plain PyTorch (`naive`, the contract) and in Triton beside it (sparse
 draft attention, verification attention with fused Collect-2-Query logits, top-k selection, top-p filtering, the
 draft token's race, the cache write, one-launch decode projections, RMSNorm, and for fused layers the q/k/v
-projection with its rotary embedding and cache write, and the output projections with their residual and the next
-RMSNorm's input). Each Triton op takes its naive op's signature, but `linear_residual_norm_into`, the launch of
-`linear_residual_norm` into buffers it is given; those a model forward calls are `torch.library` custom ops
+projection with its rotary embedding and cache write, the output projections with their residual and the next
+RMSNorm's input, and under two-rank tensor parallelism the sum over the ranks with the RMSNorm after it). Each
+Triton op takes its naive op's signature, but `linear_residual_norm_into`, the launch of `linear_residual_norm` into
+buffers it is given; those a model forward calls are `torch.library` custom ops
 (`ops.py`, `linear_ops.py`), which `torch.compile` traces through.
 
 `import hf_vegas_kernels` and `naive` need only torch: the Triton modules load on first use of one of their ops
@@ -24,8 +25,8 @@ _TRITON_OPS = {
     **dict.fromkeys(("gated_linear", "grouped_linear", "linear_residual"), "linear"),
     **dict.fromkeys(("gated_linear_op", "linear_op", "linear_residual_op", "linear_residual_norm",
                      "linear_residual_norm_into", "qkv_linear"), "linear_ops"),
-    **dict.fromkeys(("dense_attention", "finalize_scores", "qkv_rope_write", "rms_norm", "rope_write_kv",
-                     "select_topk", "sparse_draft_attention", "verify_attention", "write_kv"), "ops"),
+    **dict.fromkeys(("all_reduce_norm", "dense_attention", "finalize_scores", "qkv_rope_write", "rms_norm",
+                     "rope_write_kv", "select_topk", "sparse_draft_attention", "verify_attention", "write_kv"), "ops"),
     "race_argmax": "race",
     "top_p_filter": "top_p",
 }

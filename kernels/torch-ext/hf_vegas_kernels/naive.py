@@ -294,6 +294,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (normed * weight.float()).to(x.dtype)
 
 
+def all_reduce_norm(partial: torch.Tensor, weight: torch.Tensor | None, eps: float, peer_recv: torch.Tensor,
+                    recv: torch.Tensor, peer_pad: torch.Tensor, pad: torch.Tensor):
+    """One rank's side of a two-rank sum and the RMSNorm after it: `partial` `(rows, K)` goes into `peer_recv[:rows]`
+    and raises the peer's flags `peer_pad[:rows]` (each 0 before); this rank's flags `pad[:rows]` must then be raised
+    (by the peer) and are cleared; `recv[:rows]` holds the peer's partial. Returns `(total, rms_norm(total))` with
+    `total` the fp32 sum rounded once; without a `weight` the norm's place is an empty `(0, K)` tensor.
+    (Sequential: a flag not yet raised is an error here where a GPU waits.)"""
+    rows = partial.shape[0]
+    if bool((peer_pad[:rows] != 0).any()):
+        raise RuntimeError("all_reduce_norm: the peer has not read the previous signal (here nothing can wait)")
+    peer_recv[:rows] = partial
+    peer_pad[:rows] = 1
+    if bool((pad[:rows] != 1).any()):
+        raise RuntimeError("all_reduce_norm: the peer's signal is missing (here nothing can wait)")
+    pad[:rows] = 0
+    total = (partial.float() + recv[:rows].float()).to(partial.dtype)
+    return total, rms_norm(total, weight, eps) if weight is not None else partial.new_empty(0, partial.shape[1])
+
+
 def grouped_linear(x: torch.Tensor, weights, biases=None, row_sumsq=None, eps: float = 0.0) -> torch.Tensor:
     """The outputs of several projections of one input, concatenated on the last dimension. With `row_sumsq`
     `(rows, P)`, `x` is an RMSNorm's input times its weight and the products are scaled by the norm's row factor

@@ -1,0 +1,79 @@
+"""A fused layer's sums over two tensor-parallel ranks through an `Exchange` (`hf_vegas_kernels.all_reduce_norm`: the
+sum and the norm after it in one launch) against transformers' sums and separate norm launches, on one process: the
+exchange looped back to the rank itself, so that each "sum" adds a partial to itself, and the sums it replaces doubled
+alike. The two-GPU generations: `tests/test_tensor_parallel.py` on two GPUs (`tensor_parallel_worker`)."""
+
+import dataclasses
+
+import torch
+
+from hf_vegas import fused_layers as fused_module
+from hf_vegas.fused_layer_parts import layer_parts, link_norms
+from hf_vegas.symmetric_all_reduce import Exchange
+from kernel_cases import DEVICE, NAN, assert_fp32_close, import_kernels
+from tiny_models import tiny_model
+
+kernels = import_kernels()
+
+
+def _looped_back(rows: int, hidden: int) -> Exchange:
+    halves = torch.full((2, rows, hidden), NAN, device=DEVICE)
+    flags = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
+    return Exchange(recv=halves, peer_recv=halves, pad=flags, peer_pad=flags)
+
+
+def _tensor_parallel_parts(model, doubled: list):
+    """Each layer's parts as a first rank's under TP: its "sums over the ranks" double their partial products (what
+    a looped-back exchange sums) and record them."""
+    def doubling(partial):
+        doubled.append(partial)
+        return partial * 2
+
+    decoder = model.model
+    parts = {layer: layer_parts(layer) for layer in decoder.layers}
+    link_norms(decoder, parts)
+    return [dataclasses.replace(p, tp_sums=(doubling, doubling), adds_residual=True) for p in parts.values()]
+
+
+@torch.no_grad()
+def test_through_an_exchange_a_layer_sums_and_normalises_as_with_separate_launches():
+    model = tiny_model("llama").to(DEVICE)
+    hidden = model.config.hidden_size
+    doubled = []
+    first, last = (_tensor_parallel_parts(model, doubled)[i] for i in (0, -1))
+    assert first.following_norm is not None and last.following_norm is None
+    gen = torch.Generator().manual_seed(0)
+    rows = 5
+    attn = torch.randn(rows, first.o_weight.shape[1], generator=gen).to(DEVICE)
+    x = torch.randn(rows, hidden, generator=gen).to(DEVICE)
+    for parts in (first, last):
+        doubled.clear()
+        want_out, none, _ = fused_module._tensor_parallel_rest(kernels, parts, attn, x, None)
+        assert none is None and len(doubled) == 2
+        exchange = _looped_back(rows + 3, hidden)
+        out, next_normed, sums = fused_module._tensor_parallel_rest(kernels, parts, attn, x, exchange)
+        assert_fp32_close(out, want_out)
+        assert sums is None and int(exchange.pad.abs().sum()) == 0, "every signal consumed"
+        # The output projection's partial in half 0, the down projection's in half 1, nothing past the rows.
+        assert_fp32_close(exchange.recv[0, :rows], doubled[0])
+        assert_fp32_close(exchange.recv[1, :rows], doubled[1])
+        assert exchange.recv[:, rows:].isnan().all()
+        if parts.following_norm is None:  # the last layer: the model's final norm follows, not a fused layer's
+            assert next_normed is None
+        else:
+            norm, eps = parts.following_norm
+            assert_fp32_close(next_normed, kernels.rms_norm(out, norm, eps))
+
+
+@torch.no_grad()
+def test_an_exchange_of_another_dtype_or_too_few_rows_is_passed_over():
+    model = tiny_model("llama").to(DEVICE)
+    parts = _tensor_parallel_parts(model, [])[0]
+    hidden = model.config.hidden_size
+    attn = torch.randn(4, parts.o_weight.shape[1], device=DEVICE)
+    x = torch.randn(4, hidden, device=DEVICE)
+    want, _, _ = fused_module._tensor_parallel_rest(kernels, parts, attn, x, None)
+    for exchange in (_looped_back(3, hidden), dataclasses.replace(_looped_back(4, hidden),
+                                                                    recv=torch.zeros(2, 4, hidden, dtype=torch.half))):
+        out, normed, _ = fused_module._tensor_parallel_rest(kernels, parts, attn, x, exchange)
+        assert normed is None and torch.equal(out, want), "transformers' sums, as without an exchange"
