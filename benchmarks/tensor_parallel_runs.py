@@ -116,10 +116,12 @@ def _graphed_ms(collectives, replays: int = 20) -> float:
     return replay_ms(capture(collectives, warmups=3), replays)
 
 
-def forward_nccl_ms(model, batch: int, tokens: int, logits_kept: int, all_reduce=dist.all_reduce) -> float:
+def forward_nccl_ms(model, batch: int, tokens: int, logits_kept: int, all_reduce=dist.all_reduce, fused_sums: int = 0,
+                    fused_sum=None) -> float:
     """The collectives of one forward of `tokens` tokens per row under the model's TP plan: an all-reduce of the
     hidden states after every row-parallel projection (attention output and MLP down, per layer, and the embedding;
-    by `all_reduce`) and the all-gather of the kept logits from the column-parallel LM head."""
+    by `all_reduce`, or for `fused_sums` of them by `fused_sum(hidden, parity)`, the sums of fused draft layers, the
+    norm after each included) and the all-gather of the kept logits from the column-parallel LM head."""
     text = model.config.get_text_config(decoder=True)
     world = dist.get_world_size()
     hidden = torch.zeros(batch, tokens, text.hidden_size, dtype=model.dtype, device="cuda")
@@ -127,7 +129,9 @@ def forward_nccl_ms(model, batch: int, tokens: int, logits_kept: int, all_reduce
     gathered = torch.empty(world * local.shape[0], local.shape[1], dtype=model.dtype, device="cuda")
 
     def collectives():
-        for _ in range(2 * text.num_hidden_layers + 1):
+        for i in range(fused_sums):
+            fused_sum(hidden.view(-1, text.hidden_size), i % 2)
+        for _ in range(2 * text.num_hidden_layers + 1 - fused_sums):
             all_reduce(hidden)
         dist.all_gather_into_tensor(gathered, local)
 
@@ -138,25 +142,41 @@ def nccl_per_iteration(model, batch: int, config, capacity: int) -> dict:
     """Collective time of a dense step (gamma = 0) or a Vegas iteration (gamma one-token drafts and a verification of
     gamma + 1 tokens), and, with `selection_heads="all"`, the verification's all-reduce of the fp32 scores of every
     sparse layer over the cache's slots. With `tp_all_reduce="symmetric_memory"` the hidden states' all-reduces are
-    the symmetric ones the generation ran (`tp_all_reduce` in the record says which)."""
-    all_reduce = dist.all_reduce
+    the symmetric ones the generation ran (`tp_all_reduce` in the record says which), and in the drafts the sums of
+    the layers that fuse (`fused_layer_parts`, under `fuse_projections`) are the fused sum + norm
+    (`hf_vegas_kernels.all_reduce_norm`, `fused_draft_sums` in the record)."""
+    all_reduce, fused_sum, fused_sums = dist.all_reduce, None, 0
     if config.tp_all_reduce == "symmetric_memory":
         from hf_vegas import symmetric_all_reduce, tensor_parallel
+        from hf_vegas.fused_layer_parts import layer_parts
 
         group = tensor_parallel.tp_group(model, "timing the symmetric all-reduces")
-        numel = symmetric_all_reduce.buffer_numel(model, batch * (config.max_gamma + 1))  # the generation's buffer
+        rows = batch * (config.max_gamma + 1)  # the generation's buffer and exchange
+        numel = symmetric_all_reduce.buffer_numel(model, rows)
         device = torch.device("cuda", torch.cuda.current_device())
         buffer = symmetric_all_reduce.buffer_for(group, numel, device, model.dtype)
+        text = model.config.get_text_config(decoder=True)
+        exchange = symmetric_all_reduce.exchange_for(group, rows, text.hidden_size, device, model.dtype)
+        if config.fuse_projections and exchange is not None:
+            fused_sums = 2 * sum(parts is not None and batch <= parts.max_rows
+                                 for parts in map(layer_parts, model.get_decoder().layers))
 
         def all_reduce(tensor):
             symmetric_all_reduce.symmetric_all_reduce_(tensor, buffer, group.group_name)
 
+        def fused_sum(rows_2d, parity):
+            import hf_vegas_kernels
+
+            hf_vegas_kernels.all_reduce_norm(rows_2d, norm, 1e-6, *exchange.half(parity))
+
+        norm = torch.ones(text.hidden_size, dtype=model.dtype, device=device)
     out = dict(tp_all_reduce=config.tp_all_reduce)
     if config.gamma == 0:
         return dict(out, nccl_ms_per_iteration=forward_nccl_ms(model, batch, 1, 1, all_reduce))
     gamma = config.gamma
-    ms = (gamma * forward_nccl_ms(model, batch, 1, 1, all_reduce)
+    ms = (gamma * forward_nccl_ms(model, batch, 1, 1, all_reduce, fused_sums, fused_sum)
           + forward_nccl_ms(model, batch, gamma + 1, gamma + 1, all_reduce))
+    out["fused_draft_sums"] = fused_sums
     if config.selection_heads == "all":
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
         scores = torch.zeros(layers, batch, capacity, dtype=torch.float32, device="cuda")

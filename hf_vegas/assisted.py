@@ -63,6 +63,7 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
     cache = VegasCache(model.config, 1, capacity, config, device=input_ids.device, backend=backend_name,
                        layer_devices=placement.layer_devices(model))
     cache.selection.pool_over(tensor_parallel.score_group(model) if config.selection_heads == "all" else None)
+    fusing = backend_name == "triton" and config.fuse_projections and not cache.spread
 
     def drafter(generation_config, logits_processor):
         return VegasCandidateGenerator(model, cache, logits_processor, bool(generation_config.do_sample))
@@ -72,9 +73,9 @@ def assisted_generate(model, input_ids: torch.LongTensor, vegas_config=None, max
         active_cache(cache),
         compat.candidate_generator(model, drafter),
         placement.device_guard(input_ids.device),
-        symmetric_all_reduce.symmetric_all_reduces(model, config.gamma + 1, input_ids.device, symmetric) as exchange,
-        fused_steps(model, cache, backend_name == "triton" and config.fuse_projections and not cache.spread,
-                    exchange),
+        symmetric_all_reduce.symmetric_all_reduces(model, config.gamma + 1, input_ids.device, symmetric,
+                                                   draft_rows=1 if fusing else 0) as exchange,
+        fused_steps(model, cache, fusing, exchange),
     ):
         return model.generate(
             input_ids,

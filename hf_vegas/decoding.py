@@ -138,8 +138,8 @@ def generate(
     )
     with (placement.device_guard(input_ids.device), pooled as (cache, step_graphs), vegas_attention(model),
           active_cache(cache),
-          symmetric_all_reduces(model, input_ids.shape[0] * (config.max_gamma + 1), input_ids.device,
-                                symmetric) as exchange,
+          symmetric_all_reduces(model, input_ids.shape[0] * (config.max_gamma + 1), input_ids.device, symmetric,
+                                draft_rows=input_ids.shape[0] if fusing else 0) as exchange,
           fused_steps(model, cache, fusing, exchange) as fused_layers,
           rotary_tables_once(model, enabled=config.compile,
                              skip=lambda: fused_layers > 0 and cache.plan.mode == "draft"),

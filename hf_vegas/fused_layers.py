@@ -61,7 +61,10 @@ Under transformers' tensor parallelism (`tp_plan="auto"`) such a layer runs its 
 rank's shards: q/k/v (column-parallel) with the head norms, rotary embedding and cache write as above, the sparse
 attention over this rank's KV heads, then the output and down projections' partial products (row-parallel), each
 handed to transformers' own sum over the ranks (`LayerParts.tp_sums`), the first rank's with the residual added
-(`_partial_product`), and the norms as launches of their own: their input is whole only after the sum. Verification
+(`_partial_product`), and the norms as launches of their own: their input is whole only after the sum. With
+`tp_all_reduce="symmetric_memory"` on two ranks each sum and the norm after it are one launch instead
+(`exchange_sum_norm`, through the `Exchange` that `symmetric_all_reduces` yields), the down projection's sum writing
+the next fused layer's input norm. Verification
 and dense steps keep the model's own forward there.
 
 Which layers: the decoder layer, its attention and its norms run exactly the code of transformers' own Llama classes
@@ -188,28 +191,29 @@ def _tensor_parallel_rest(kernels, parts: LayerParts, attn: torch.Tensor, x: tor
     residual). Two sums per layer, as the model's own forward makes.
 
     Through an `exchange` (`symmetric_all_reduce.Exchange`, two ranks) each sum and the norm after it are one launch
-    (`all_reduce_norm`), and the down projection's sum hands the next fused layer its input norm; the two sums take
-    the exchange's two halves in turn (every fused layer starts on half 0 after one that ended on half 1). Otherwise
-    each sum is transformers' own (`LayerParts.tp_sums`) and each norm a launch of its own."""
+    (`exchange_sum_norm`), and the down projection's sum hands the next fused layer its input norm; the two sums take
+    the exchange's two halves in turn (every fused layer starts on half 0 after one that ended on half 1, whatever
+    runs between them). Otherwise each sum is transformers' own (`LayerParts.tp_sums`) and each norm a launch of its
+    own."""
     o_partial = _partial_product(kernels, attn, parts.o_weight, x, parts.adds_residual)
-    if not _exchanges(exchange, o_partial):
+    if not _sums_through(exchange, o_partial):
         x = parts.tp_sums[0](o_partial)
         normed = kernels.rms_norm(x, parts.norm_post, parts.eps_post)
         gated = kernels.gated_linear_op(normed, parts.gate, parts.up, parts.act)
         return parts.tp_sums[1](_partial_product(kernels, gated, parts.down, x, parts.adds_residual)), None, None
-    x, normed = kernels.all_reduce_norm(o_partial, parts.norm_post, parts.eps_post, *exchange.half(0))
+    x, normed = kernels.exchange_sum_norm(o_partial, parts.norm_post, parts.eps_post, exchange.name, 0)
     gated = kernels.gated_linear_op(normed, parts.gate, parts.up, parts.act)
-    norm, eps = parts.following_norm or (None, 0.0)
-    out, next_normed = kernels.all_reduce_norm(_partial_product(kernels, gated, parts.down, x, parts.adds_residual),
-                                               norm, eps, *exchange.half(1))
+    norm, eps = parts.following_norm or (None, 0.0)  # (the last layer: the model's final norm follows)
+    out, next_normed = kernels.exchange_sum_norm(_partial_product(kernels, gated, parts.down, x, parts.adds_residual),
+                                                 norm, eps, exchange.name, 1)
     return out, next_normed if norm is not None else None, None
 
 
-def _exchanges(exchange, partial: torch.Tensor) -> bool:
-    """Whether `partial` is summed through `exchange`: one is given, in its dtype, with room for its rows (shapes
-    and dtypes only: a compiled step's trace decides alike)."""
-    return (exchange is not None and partial.dtype == exchange.recv.dtype
-            and partial.shape[0] <= exchange.recv.shape[1] and partial.shape[1] == exchange.recv.shape[2])
+def _sums_through(exchange, partial: torch.Tensor) -> bool:
+    """Whether `partial` is summed through `exchange`: one is given, of its dtype and width, with room for its rows
+    (plain values only: a compiled step's trace decides alike, and every rank alike)."""
+    return (exchange is not None and partial.dtype == exchange.dtype and partial.shape[0] <= exchange.rows
+            and partial.shape[1] == exchange.hidden)
 
 
 def _partial_product(kernels, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,

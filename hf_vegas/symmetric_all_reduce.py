@@ -28,6 +28,12 @@ The buffer holds the largest decode, draft or verification activation, `batch * 
 (graphs captured over it replay with its address): a collective call, which every rank makes at the same point of
 `generate`, eagerly (the one-shot op is captured in a CUDA graph only over a buffer rendezvoused before the capture).
 
+Fused draft layers (`hf_vegas.fused_layers`) sum through an `Exchange` of their own instead: receive buffers and
+signal flags that `hf_vegas_kernels.exchange_sum_norm` pushes rows and signals through, one launch per sum with
+the norm after it. `symmetric_all_reduces` yields it for the generation's draft rows (one flag per row on each
+rank's signal pad: 2,304 rows for the default 9 KiB pad; where torch cannot say the pad's size, or the rows need
+more, there is none and those layers keep transformers' sums).
+
 `symmetric_all_reduce_` is an op of hf_vegas, with a fake, because torch 2.11 has none for the symmetric op: a
 compiled step could not trace it (dynamo refused it in the benchmark). It declares that it writes the buffer too
 (it copies its input there first). On 2 x H200 (6bdac13) a generation with it gave vanilla TP greedy (the TP worker,
@@ -40,6 +46,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import logging
 
 import torch
 
@@ -108,40 +116,59 @@ def release_buffers() -> None:
     rank at the same point, while the process group is alive (freeing symmetric memory may be collective), e.g.
     before `destroy_process_group`."""
     _buffers.clear()
+    for exchange in _exchanges.values():
+        exchanges().forget(exchange.name)
     _exchanges.clear()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Exchange:
-    """What `hf_vegas_kernels.all_reduce_norm` sums two ranks' rows through: this rank's receive buffer `(2, rows,
-    hidden)` (two halves that consecutive sums alternate) and the peer's, mapped into this process, and one int32
-    signal flag per row on each rank's signal pad (which starts zeroed and which the op leaves zeroed)."""
+    """What fused draft layers sum two ranks' rows through (`hf_vegas_kernels.exchange_sum_norm`, by `name`): this
+    rank's receive buffer `(2, rows, hidden)` (two halves that consecutive sums alternate) and the peer's, mapped into
+    this process, and one int32 signal flag per row on each rank's signal pad (which starts zeroed and which every
+    sum leaves zeroed). `rows`, `hidden` and `dtype` are plain values, so that a compiled step's trace, which decides
+    by them whether a forward sums through it, never reads the buffers."""
 
+    name: str
     recv: Tensor
     peer_recv: Tensor
     pad: Tensor
     peer_pad: Tensor
+    rows: int
+    hidden: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, name: str, recv: Tensor, peer_recv: Tensor, pad: Tensor, peer_pad: Tensor) -> "Exchange":
+        """An exchange over these buffers, registered under `name` for the op (`release_buffers` forgets it)."""
+        exchanges().register(name, peer_recv, recv, peer_pad, pad)
+        return cls(name, recv, peer_recv, pad, peer_pad, rows=recv.shape[1], hidden=recv.shape[2], dtype=recv.dtype)
 
     @classmethod
     def allocate(cls, rows: int, hidden: int, dtype: torch.dtype, device: torch.device, group_name: str) -> "Exchange":
         """A new exchange (a collective: every rank of the two-rank group at the same point)."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        if rows * 4 > symm_mem.get_signal_pad_size():
-            raise ValueError(f"{OPTION}: {rows} rows need {rows * 4} bytes of signal flags, more than the "
-                             f"{symm_mem.get_signal_pad_size()} of a signal pad")
         buffer = symm_mem.empty(2 * rows * hidden, dtype=dtype, device=device)
         handle = symm_mem.rendezvous(buffer, group=group_name)
         if handle.world_size != 2:
             raise ValueError(f"{OPTION}: the fused sum and norm run on 2 ranks, this group has {handle.world_size}")
         peer = 1 - handle.rank
-        return cls(recv=buffer.view(2, rows, hidden), peer_recv=handle.get_buffer(peer, (2, rows, hidden), dtype),
-                   pad=handle.get_signal_pad(handle.rank, (rows,), dtype=torch.int32),
-                   peer_pad=handle.get_signal_pad(peer, (rows,), dtype=torch.int32))
+        name = f"{group_name}/{torch.device(device)}/{dtype}/{rows}x{hidden}"
+        return cls.of(name, buffer.view(2, rows, hidden), handle.get_buffer(peer, (2, rows, hidden), dtype),
+                      handle.get_signal_pad(handle.rank, (rows,), dtype=torch.int32),
+                      handle.get_signal_pad(peer, (rows,), dtype=torch.int32))
 
     def half(self, parity: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """`all_reduce_norm`'s `(peer_recv, recv, peer_pad, pad)` for a sum of this `parity` (0 or 1)."""
         return self.peer_recv[parity], self.recv[parity], self.peer_pad, self.pad
+
+
+def exchanges():
+    """`hf_vegas_kernels.exchanges`, the registry of exchanges by name (torch only)."""
+    import hf_vegas_kernels.exchanges
+
+    return hf_vegas_kernels.exchanges
 
 
 _exchanges: dict[tuple[str, torch.device, torch.dtype, int, int], Exchange] = {}
@@ -189,12 +216,13 @@ def _has_one_shot_op() -> bool:
 
 
 @contextlib.contextmanager
-def symmetric_all_reduces(model, rows: int, device: torch.device, enabled: bool = True):
+def symmetric_all_reduces(model, rows: int, device: torch.device, enabled: bool = True, draft_rows: int = 0):
     """Inside the block, transformers' tensor-parallel all-reduces of `model` that fit `rows` rows of its hidden size
     run through symmetric memory (see the module docstring); a no-op block when not `enabled`. `check` first.
 
-    Yields the `Exchange` through which fused draft layers sum their rows with the norm after each sum
-    (`hf_vegas_kernels.all_reduce_norm`), or None when not `enabled`."""
+    Yields the `Exchange` through which fused draft layers of up to `draft_rows` rows sum over the ranks with the
+    norm after each sum (`hf_vegas_kernels.exchange_sum_norm`), or None: when not `enabled`, for no draft rows, or
+    where the exchange cannot be made (`exchange_for`; those layers then sum through transformers)."""
     if not enabled:
         yield None
         return
@@ -204,7 +232,8 @@ def symmetric_all_reduces(model, rows: int, device: torch.device, enabled: bool 
         raise RuntimeError(f"{OPTION}: another generation in this process already sums through symmetric memory; "
                            "run them one after the other.")
     buffer = buffer_for(group, buffer_numel(model, rows), device, model.dtype)
-    exchange = exchange_for(group, rows, model.config.get_text_config(decoder=True).hidden_size, device, model.dtype)
+    hidden = model.config.get_text_config(decoder=True).hidden_size
+    exchange = exchange_for(group, draft_rows, hidden, device, model.dtype) if draft_rows else None
     previous = module.dist
     module.dist = _Distributed(group, buffer)
     try:
@@ -213,11 +242,25 @@ def symmetric_all_reduces(model, rows: int, device: torch.device, enabled: bool 
         module.dist = previous
 
 
-def exchange_for(group, rows: int, hidden: int, device: torch.device, dtype: torch.dtype) -> Exchange:
+def exchange_for(group, rows: int, hidden: int, device: torch.device, dtype: torch.dtype) -> Exchange | None:
     """The group's exchange for sums of up to `rows` rows (rounded up to a power of two) of `hidden` values (a
-    collective, the first time a size is asked for); kept as the buffers are, for the graphs captured over it."""
+    collective, the first time a size is asked for); kept as the buffers are, for the graphs captured over it. None
+    (said once, at INFO) where torch has no signal pads to ask, or more rows than a signal pad has flags."""
+    import torch.distributed._symmetric_memory as symm_mem
+
     rows = 1 << max(rows - 1, 0).bit_length()
+    pad_bytes = getattr(symm_mem, "get_signal_pad_size", lambda: 0)()
+    if rows * 4 > pad_bytes:
+        reason = (f"torch {torch.__version__} does not say its signal pads' size" if not pad_bytes else
+                  f"{rows} rows need {rows * 4} bytes of signal flags, a signal pad has {pad_bytes}")
+        _log_once(f"hf_vegas sums fused draft layers over the ranks through transformers, then a norm: {reason}.")
+        return None
     key = (group.group_name, torch.device(device), dtype, rows, hidden)
     if key not in _exchanges:
         _exchanges[key] = Exchange.allocate(rows, hidden, dtype, device, group.group_name)
     return _exchanges[key]
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logging.getLogger("hf_vegas").info(message)

@@ -257,10 +257,10 @@ def _symmetric_memory_run(model, ids, common) -> dict:
         result = dict(greedy=out.tolist(), symmetric_calls=len(calls))
         options = dict(**common, **VEGAS, do_sample=False, vegas_backend="triton", vegas_cuda_graphs=False,
                        return_dict_in_generate=True)
-        with _counted_kernels("all_reduce_norm") as counted:
+        with _counted_kernels("exchange_sum_norm") as counted:
             fused = model.generate(ids, **options, vegas_tp_all_reduce="symmetric_memory")
         nccl = model.generate(ids, **options)
-        return dict(result, fused_sums=counted["all_reduce_norm"], fused_greedy=fused.sequences.tolist(),
+        return dict(result, fused_sums=counted["exchange_sum_norm"], fused_greedy=fused.sequences.tolist(),
                     fused_accepted=fused.accepted.tolist(), nccl_accepted=nccl.accepted.tolist())
     except ValueError as error:
         return dict(error=str(error), symmetric_calls=len(calls))

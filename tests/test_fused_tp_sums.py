@@ -19,7 +19,7 @@ kernels = import_kernels()
 def _looped_back(rows: int, hidden: int) -> Exchange:
     halves = torch.full((2, rows, hidden), NAN, device=DEVICE)
     flags = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
-    return Exchange(recv=halves, peer_recv=halves, pad=flags, peer_pad=flags)
+    return Exchange.of(f"test-looped-back-{rows}x{hidden}", halves, halves, flags, flags)
 
 
 def _tensor_parallel_parts(model, doubled: list):
@@ -73,7 +73,10 @@ def test_an_exchange_of_another_dtype_or_too_few_rows_is_passed_over():
     attn = torch.randn(4, parts.o_weight.shape[1], device=DEVICE)
     x = torch.randn(4, hidden, device=DEVICE)
     want, _, _ = fused_module._tensor_parallel_rest(kernels, parts, attn, x, None)
-    for exchange in (_looped_back(3, hidden), dataclasses.replace(_looped_back(4, hidden),
-                                                                    recv=torch.zeros(2, 4, hidden, dtype=torch.half))):
+    fits = _looped_back(4, hidden)
+    for exchange in (_looped_back(3, hidden), dataclasses.replace(fits, dtype=torch.half),
+                     dataclasses.replace(fits, hidden=hidden + 1)):
         out, normed, _ = fused_module._tensor_parallel_rest(kernels, parts, attn, x, exchange)
         assert normed is None and torch.equal(out, want), "transformers' sums, as without an exchange"
+    out, normed, _ = fused_module._tensor_parallel_rest(kernels, parts, attn, x, fits)
+    assert normed is not None, "the exchange that fits is taken"

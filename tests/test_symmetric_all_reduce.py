@@ -64,14 +64,18 @@ def test_installed_for_the_block_only_also_when_it_raises(monkeypatch):
     monkeypatch.setattr(symmetric_all_reduce, "exchange_for",
                         lambda group, rows, hidden, device, dtype: made.append((rows, hidden)) or "exchange")
     model = tiny_model("llama")
-    with symmetric_all_reduce.symmetric_all_reduces(model, 12, torch.device("cpu"), enabled=False) as exchange:
+    with symmetric_all_reduce.symmetric_all_reduces(model, 12, torch.device("cpu"), enabled=False,
+                                                    draft_rows=3) as exchange:
         assert module.dist is torch.distributed and not made and exchange is None
+    with symmetric_all_reduce.symmetric_all_reduces(model, 12, torch.device("cpu")) as exchange:
+        assert exchange is None and made == [16 * model.config.hidden_size], "no draft rows: no exchange"
+    made.clear()
     with pytest.raises(RuntimeError, match="inside"):
-        with symmetric_all_reduce.symmetric_all_reduces(model, 12, torch.device("cpu")) as exchange:
+        with symmetric_all_reduce.symmetric_all_reduces(model, 12, torch.device("cpu"), draft_rows=3) as exchange:
             assert isinstance(module.dist, symmetric_all_reduce._Distributed)
             hidden = model.config.hidden_size
-            assert made == [16 * hidden, (12, hidden)], "the largest step's rows (to a power of two) of hidden"
-            assert exchange == "exchange", "the block yields the fused layers' exchange"
+            assert made == [16 * hidden, (3, hidden)], "the largest step's rows (to a power of two) of hidden"
+            assert exchange == "exchange", "the block yields the fused layers' exchange for the draft rows"
             with pytest.raises(RuntimeError, match="already sums through symmetric memory"):
                 with symmetric_all_reduce.symmetric_all_reduces(model, 12, torch.device("cpu")):
                     pass
@@ -153,3 +157,22 @@ def test_release_graphs_for_every_model_also_drops_the_buffers(monkeypatch):
     assert symmetric_all_reduce._buffers == kept
     hf_vegas.release_graphs()
     assert symmetric_all_reduce._buffers == {}
+
+
+@pytest.mark.parametrize("pad_bytes", [None, 64])
+def test_no_exchange_where_signal_pads_are_too_small_or_unknown(monkeypatch, caplog, pad_bytes):
+    """The fused layers' exchange needs one 4-byte flag per row on a signal pad: where torch cannot say the pads' size
+    (older releases) or they hold too few flags, there is none (said once); those layers sum through transformers."""
+    import logging
+
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if pad_bytes is None:
+        monkeypatch.delattr(symm_mem, "get_signal_pad_size", raising=False)
+    else:
+        monkeypatch.setattr(symm_mem, "get_signal_pad_size", lambda: pad_bytes)
+    monkeypatch.setattr(symmetric_all_reduce.Exchange, "allocate", lambda *args: pytest.fail("allocated"))
+    with caplog.at_level(logging.INFO, logger="hf_vegas"):
+        assert symmetric_all_reduce.exchange_for(_Group(), 17, 64, torch.device("cpu"), torch.bfloat16) is None
+    assert "through transformers" in caplog.text
+    assert ("32 rows need 128 bytes" in caplog.text) if pad_bytes else ("does not say" in caplog.text)

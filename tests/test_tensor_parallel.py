@@ -74,7 +74,7 @@ def test_tensor_parallel_ranks_give_vanilla_greedy_and_agree_when_sampling(arch,
         if rank["device"].startswith("cuda"):
             assert symmetric.get("greedy") == rank["vanilla"], symmetric.get("error")
             assert symmetric["symmetric_calls"] > 0, "no all-reduce went through symmetric memory"
-            # Fused draft layers sum over the ranks and normalise in one launch (`all_reduce_norm`), two per layer
+            # Fused draft layers sum over the ranks and normalise in one launch (`exchange_sum_norm`), two per layer
             # and draft step; in fp32 they draft what the fused layers draft through NCCL (rounding only).
             assert symmetric["fused_greedy"] == rank["vanilla"]
             if arch in ("llama", "qwen3"):

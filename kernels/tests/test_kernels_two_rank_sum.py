@@ -108,3 +108,44 @@ def test_what_the_kernel_cannot_sum_is_refused(bad, message):
     args[bad] = {"weight": weight[:8], "recv": recv[0, :2], "pad": pad.to(torch.int64)}[bad]
     with pytest.raises(ValueError, match=message):
         kernels.all_reduce_norm(partial, args["weight"], 1e-6, recv[1], args["recv"], pad, args["pad"])
+
+
+def test_by_name_compiled_it_sums_through_the_registered_buffers_themselves(poison):
+    """`exchange_sum_norm` names its exchange: a compiled function (aot_eager, which clones any argument an op says
+    it mutates) still sends into and waits on the registered buffers, not on copies."""
+    from hf_vegas_kernels import exchanges
+
+    partial, _, weight = _case(3, 32, torch.float32, 9)
+    recv, pad = _buffers(3, 32, torch.float32, capacity=4)
+    exchanges.register("test-looped-back", recv, recv, pad, pad)
+    try:
+        eager = kernels.exchange_sum_norm(partial, weight, 1e-6, "test-looped-back", 1)
+        recv.fill_(NAN)
+
+        def two_sums(x):
+            total, normed = kernels.exchange_sum_norm(x, weight, 1e-6, "test-looped-back", 1)
+            return kernels.exchange_sum_norm(normed, None, 0.0, "test-looped-back", 0)[0], total
+
+        compiled = torch.compile(two_sums, backend="aot_eager", fullgraph=True)
+        got_sum, got_total = compiled(partial)
+        assert torch.equal(got_total, eager[0])
+        assert torch.equal(recv[1, :3], partial) and torch.equal(recv[0, :3], eager[1]), "the registered halves"
+        assert torch.equal(got_sum, eager[1] * 2) and int(pad.abs().sum()) == 0
+    finally:
+        exchanges.forget("test-looped-back")
+    with pytest.raises(KeyError, match="no two-rank exchange is registered as 'test-looped-back'"):
+        kernels.exchange_sum_norm(partial, weight, 1e-6, "test-looped-back", 0)
+
+
+def test_an_exchange_needs_two_halves_alike_and_a_parity_of_0_or_1():
+    from hf_vegas_kernels import exchanges
+
+    recv, pad = _buffers(2, 8, torch.float32, capacity=2)
+    with pytest.raises(ValueError, match="two halves"):
+        exchanges.register("test-bad", recv[0], recv[0], pad, pad)
+    exchanges.register("test-parity", recv, recv, pad, pad)
+    try:
+        with pytest.raises(ValueError, match="parity must be 0 or 1"):
+            exchanges.halves("test-parity", 2)
+    finally:
+        exchanges.forget("test-parity")

@@ -11,7 +11,7 @@ from kernel_cases import import_kernels
 # projections (`grouped_linear` of three weights, of one).
 NAIVE_TWIN = {"gated_linear_op": "gated_linear", "linear_residual_op": "linear_residual",
               "linear_residual_norm_into": "linear_residual_norm", "qkv_linear": "grouped_linear",
-              "linear_op": "grouped_linear"}
+              "linear_op": "grouped_linear", "exchange_sum_norm": "all_reduce_norm"}
 
 WITHOUT_TRITON = r"""
 import sys

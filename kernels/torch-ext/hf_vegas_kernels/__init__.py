@@ -4,8 +4,9 @@ draft token's race, the cache write, one-launch decode projections, RMSNorm, and
 projection with its rotary embedding and cache write, the output projections with their residual and the next
 RMSNorm's input, and under two-rank tensor parallelism the sum over the ranks with the RMSNorm after it). Each
 Triton op takes its naive op's signature, but `linear_residual_norm_into`, the launch of `linear_residual_norm` into
-buffers it is given; those a model forward calls are `torch.library` custom ops
-(`ops.py`, `linear_ops.py`), which `torch.compile` traces through.
+buffers it is given, and `exchange_sum_norm`, `all_reduce_norm` through buffers registered by name (`exchanges.py`);
+those a model forward calls are `torch.library` custom ops (`ops.py`, `linear_ops.py`), which `torch.compile` traces
+through.
 
 `import hf_vegas_kernels` and `naive` need only torch: the Triton modules load on first use of one of their ops
 (`hf_vegas_kernels.dense_attention`), so a machine without Triton still has the contract, and a broken Triton install
@@ -25,9 +26,10 @@ _TRITON_OPS = {
     **dict.fromkeys(("gated_linear", "grouped_linear", "linear_residual"), "linear"),
     **dict.fromkeys(("gated_linear_op", "linear_op", "linear_residual_op", "linear_residual_norm",
                      "linear_residual_norm_into", "qkv_linear"), "linear_ops"),
-    **dict.fromkeys(("all_reduce_norm", "dense_attention", "finalize_scores", "qkv_rope_write", "rms_norm",
+    **dict.fromkeys(("dense_attention", "exchange_sum_norm", "finalize_scores", "qkv_rope_write", "rms_norm",
                      "rope_write_kv", "select_topk", "sparse_draft_attention", "verify_attention", "write_kv"), "ops"),
     "race_argmax": "race",
+    "all_reduce_norm": "two_rank_sum",
     "top_p_filter": "top_p",
 }
 TRITON_OPS = tuple(sorted(_TRITON_OPS))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _launch, cache_write, norm, qkv_rope, select, two_rank_sum
+from . import _launch, cache_write, exchanges, norm, qkv_rope, select, two_rank_sum
 from . import scores as emitted_scores
 from .attention import EMIT_GROUP_SUM, EMIT_PER_HEAD, attend, emit_dtype
 
@@ -218,19 +218,21 @@ def _(x, weight, eps):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("hf_vegas::all_reduce_norm", mutates_args=("peer_recv", "recv", "peer_pad", "pad"))
-def all_reduce_norm(partial: Tensor, weight: Tensor | None, eps: float, peer_recv: Tensor, recv: Tensor,
-                    peer_pad: Tensor, pad: Tensor) -> tuple[Tensor, Tensor]:
-    """A two-rank sum and the RMSNorm after it in one launch (`two_rank_sum.py`); writes the peer's receive buffer
-    and signal flags, and clears this rank's."""
-    return two_rank_sum.all_reduce_norm(partial, weight, eps, peer_recv, recv, peer_pad, pad)
+@torch.library.custom_op("hf_vegas::exchange_sum_norm", mutates_args=())
+def exchange_sum_norm(partial: Tensor, weight: Tensor | None, eps: float, exchange: str,
+                      parity: int) -> tuple[Tensor, Tensor]:
+    """`two_rank_sum.all_reduce_norm` through the exchange registered as `exchange` (`exchanges.py`), on its
+    `parity` half: a two-rank sum and the RMSNorm after it in one launch. Its writes into the exchange's buffers and
+    flags are declared nowhere on purpose: the compiler must not see (and copy) them; the op is ordered by its data
+    (each sum's partial depends on the one before), and its outputs are always used."""
+    return two_rank_sum.all_reduce_norm(partial, weight, eps, *exchanges.halves(exchange, parity))
 
 
-@all_reduce_norm.register_fake
-def _(partial, weight, eps, peer_recv, recv, peer_pad, pad):
+@exchange_sum_norm.register_fake
+def _(partial, weight, eps, exchange, parity):
     normed_rows = partial.shape[0] if weight is not None else 0
     return partial.new_empty(partial.shape), partial.new_empty(normed_rows, partial.shape[1])
 
 
-__all__ = ["all_reduce_norm", "dense_attention", "finalize_scores", "qkv_rope_write", "rms_norm", "rope_write_kv",
+__all__ = ["dense_attention", "exchange_sum_norm", "finalize_scores", "qkv_rope_write", "rms_norm", "rope_write_kv",
            "select_topk", "sparse_draft_attention", "verify_attention", "write_kv"]

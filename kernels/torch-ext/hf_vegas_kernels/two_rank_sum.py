@@ -17,7 +17,14 @@ pad being the rank's own) the op sums a row with itself: how the CPU tests run i
 
 Each rank adds `mine + theirs` in fp32 and rounds once, so both ranks hold the same bits (an fp32 sum of two terms
 does not depend on their order), as NCCL's sum of two ranks gives. The norm is `norm.py`'s. Semantics:
-`naive.all_reduce_norm` (one rank's partial and the peer's).
+`naive.all_reduce_norm` (one rank's partial and the peer's). A compiled step calls it by the exchange's name
+(`ops.exchange_sum_norm`, `exchanges.py`).
+
+The reuse argument leans on stream order: a rank's sum starts only after its previous sum's grid completed. Under
+programmatic dependent launch that holds because every kernel of the chain waits for its predecessor
+(`gdc_wait`) before anything it stores, and this one before its first load. Every program must be able to run: a
+program waits only for the peer's program of its own row, so a GPU that ran its programs in another order than the
+other's cannot deadlock as long as all rows' programs are eventually scheduled (at most a few hundred rows).
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ def _all_reduce_norm(Partial, PeerRecv, Recv, PeerPad, Pad, W, Sum, Normed, K, e
     while tl.atomic_cas(Pad + row, 1, 0, sem="acquire", scope="sys") != 1:
         pass
     tl.debug_barrier()
-    # `.cg`: from L2, where the peer's stores land; never from a line L1 may hold from this half's last sum.
+    # `.cg` (from L2, where the peer's stores land): the acquire above already orders this load; `.cg` only keeps L1
+    # out of a line no other load of this kernel reads.
     theirs = tl.load(Recv + row.to(tl.int64) * stride_r + k, mask=ok, other=0.0, cache_modifier=".cg")
     total = (mine.to(tl.float32) + theirs.to(tl.float32)).to(Sum.dtype.element_ty)
     tl.store(Sum + row.to(tl.int64) * stride_s + k, total, mask=ok)
