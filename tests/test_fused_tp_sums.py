@@ -80,3 +80,48 @@ def test_an_exchange_of_another_dtype_or_too_few_rows_is_passed_over():
         assert normed is None and torch.equal(out, want), "transformers' sums, as without an exchange"
     out, normed, _ = fused_module._tensor_parallel_rest(kernels, parts, attn, x, fits)
     assert normed is not None, "the exchange that fits is taken"
+
+
+@torch.no_grad()
+def test_a_draft_step_through_an_exchange_hands_each_layer_its_input_norm(monkeypatch):
+    """A whole draft step of first-rank layers (the sums doubled, as a looped-back exchange sums): through the
+    exchange, only the first layer's input norm is a launch of its own (each sum writes the norm after it, the down
+    projection's the next layer's input norm), and the logits are those of the same layers summing through
+    transformers with both norms of every layer as launches."""
+    from transformers import LogitsProcessorList
+
+    from hf_vegas.attention import active_cache, vegas_attention
+    from hf_vegas.cache import VegasCache
+    from hf_vegas.config import VegasConfig
+    from hf_vegas.runner import StepRunner
+    from tiny_models import ragged_batch
+
+    model = tiny_model("llama").to(DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    for layer in model.model.layers:  # distinct norms: a norm written with another layer's weight would show
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.data = (torch.rand(norm.weight.shape, generator=gen) + 0.5).to(norm.weight)
+    original = fused_module.layer_parts
+    monkeypatch.setattr(fused_module, "layer_parts", lambda layer: None if (parts := original(layer)) is None else
+                        dataclasses.replace(parts, tp_sums=(lambda p: p * 2, lambda p: p * 2), adds_residual=True))
+    norms = []
+    monkeypatch.setattr(kernels, "rms_norm", lambda *args, _op=kernels.rms_norm: norms.append(1) or _op(*args))
+    ids, mask = (t.to(DEVICE) for t in ragged_batch([23, 17]))
+    config = VegasConfig(gamma=2, sparsity=0.3, min_tokens=4, backend="triton", cuda_graphs=False)
+    cache = VegasCache(model.config, 2, 40, config, device=DEVICE, backend="triton")
+    runner = StepRunner(model, cache, LogitsProcessorList(), do_sample=False)
+    token = torch.tensor([[5], [9]], device=DEVICE)
+    layers = model.config.num_hidden_layers
+    logits = {}
+    with vegas_attention(model), active_cache(cache):
+        runner.prefill(ids, left_pad=(mask == 0).sum(dim=1))
+        committed = cache.plan.lengths.clone()
+        for name, exchange in (("transformers", None), ("exchange", _looped_back(2, model.config.hidden_size))):
+            norms.clear()
+            with fused_module.fused_layers(model, cache, exchange) as fused:
+                assert fused == layers
+                cache.begin("draft")
+                logits[name] = runner.call_model(token, 1)
+            cache.plan.rollback(committed)
+            assert len(norms) == (1 if exchange is not None else 2 * layers), (name, len(norms))
+    assert_fp32_close(logits["exchange"], logits["transformers"])
