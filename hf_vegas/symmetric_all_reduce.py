@@ -50,6 +50,7 @@ import functools
 import logging
 
 import torch
+from hf_vegas_kernels import exchanges as registry  # the exchanges by name, for the op (torch only)
 
 from ._compat import internals as compat
 from . import tensor_parallel
@@ -117,7 +118,7 @@ def release_buffers() -> None:
     before `destroy_process_group`."""
     _buffers.clear()
     for exchange in _exchanges.values():
-        exchanges().forget(exchange.name)
+        registry.forget(exchange.name)
     _exchanges.clear()
 
 
@@ -141,7 +142,7 @@ class Exchange:
     @classmethod
     def of(cls, name: str, recv: Tensor, peer_recv: Tensor, pad: Tensor, peer_pad: Tensor) -> "Exchange":
         """An exchange over these buffers, registered under `name` for the op (`release_buffers` forgets it)."""
-        exchanges().register(name, peer_recv, recv, peer_pad, pad)
+        registry.register(name, peer_recv, recv, peer_pad, pad)
         return cls(name, recv, peer_recv, pad, peer_pad, rows=recv.shape[1], hidden=recv.shape[2], dtype=recv.dtype)
 
     @classmethod
@@ -162,13 +163,6 @@ class Exchange:
     def half(self, parity: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """`all_reduce_norm`'s `(peer_recv, recv, peer_pad, pad)` for a sum of this `parity` (0 or 1)."""
         return self.peer_recv[parity], self.recv[parity], self.peer_pad, self.pad
-
-
-def exchanges():
-    """`hf_vegas_kernels.exchanges`, the registry of exchanges by name (torch only)."""
-    import hf_vegas_kernels.exchanges
-
-    return hf_vegas_kernels.exchanges
 
 
 _exchanges: dict[tuple[str, torch.device, torch.dtype, int, int], Exchange] = {}
