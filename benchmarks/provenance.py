@@ -50,7 +50,10 @@ def tree() -> str | None:
         with tempfile.TemporaryDirectory() as scratch:
             env = {**os.environ, "GIT_INDEX_FILE": os.path.join(scratch, "index")}
             if os.path.exists(index):
-                shutil.copyfile(index, env["GIT_INDEX_FILE"])
+                # With the index's own mtime: git re-reads a file whose mtime is not older than the index's ("racily
+                # clean"); a copy stamped now would let an edit of the same size within the file system's timestamp
+                # granularity of the file's indexed write pass as unchanged.
+                shutil.copy2(index, env["GIT_INDEX_FILE"])
             subprocess.check_call(["git", "add", "-A", "."], cwd=root, env=env, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
             return subprocess.check_output(["git", "write-tree"], cwd=root, env=env, text=True,
