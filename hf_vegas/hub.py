@@ -15,8 +15,7 @@ Python never runs. The package's `__init__` is left out: it patches transformers
 Hub folder must not do.
 
 The kernel package's plain-PyTorch ops (`hf_vegas_kernels.naive`, imported as `from hf_vegas_kernels import naive`)
-are copied the same way, as `hf_vegas_kernels_naive.py`, and so is its registry of two-rank exchanges (`exchanges`,
-torch only). Its Triton kernels are not: every Triton file imports `triton`
+are copied the same way, as `hf_vegas_kernels_naive.py`. Its Triton kernels are not: every Triton file imports `triton`
 at its top level, so the loader would refuse the whole folder on a machine without Triton. The folder's
 `vegas_backend="auto"` uses them where `hf_vegas_kernels` is importable, and the plain-PyTorch ops elsewhere (the same
 tokens; slower on CUDA).
@@ -40,7 +39,7 @@ SOURCE = Path(__file__).resolve().parent
 # that need only torch are copied too (`("hf_vegas_kernels", "naive")`).
 KERNELS = "hf_vegas_kernels"
 KERNELS_SOURCE = Path(hf_vegas_kernels.__file__).resolve().parent
-TRITON_FREE_KERNEL_MODULES = ("naive", "exchanges")
+TRITON_FREE_KERNEL_MODULES = ("naive",)
 ENTRY = ("names",)  # `generate_from_name`: the string form's full replacement of `generate`
 # What the folder's code imports at its top level. One comparison per line: transformers' requirements check reads
 # `name<op>version` and would keep only the first bound of `transformers>=5.17,<6`. Same bounds as pyproject.toml.

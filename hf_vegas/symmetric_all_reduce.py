@@ -47,10 +47,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import logging
 
 import torch
-from hf_vegas_kernels import exchanges as registry  # the exchanges by name, for the op (torch only)
 
 from ._compat import internals as compat
 from . import tensor_parallel
@@ -118,7 +118,7 @@ def release_buffers() -> None:
     before `destroy_process_group`."""
     _buffers.clear()
     for exchange in _exchanges.values():
-        registry.forget(exchange.name)
+        _registry().forget(exchange.name)
     _exchanges.clear()
 
 
@@ -142,6 +142,8 @@ class Exchange:
     @classmethod
     def of(cls, name: str, recv: Tensor, peer_recv: Tensor, pad: Tensor, peer_pad: Tensor) -> "Exchange":
         """An exchange over these buffers, registered under `name` for the op (`release_buffers` forgets it)."""
+        if (registry := _registry()) is None:
+            raise RuntimeError("an exchange is registered with hf_vegas_kernels, which is not importable here")
         registry.register(name, peer_recv, recv, peer_pad, pad)
         return cls(name, recv, peer_recv, pad, peer_pad, rows=recv.shape[1], hidden=recv.shape[2], dtype=recv.dtype)
 
@@ -244,8 +246,9 @@ def exchange_for(group, rows: int, hidden: int, device: torch.device, dtype: tor
 
     rows = 1 << max(rows - 1, 0).bit_length()
     pad_bytes = getattr(symm_mem, "get_signal_pad_size", lambda: 0)()
-    if rows * 4 > pad_bytes:
-        reason = (f"torch {torch.__version__} does not say its signal pads' size" if not pad_bytes else
+    if rows * 4 > pad_bytes or _registry() is None:
+        reason = ("hf_vegas_kernels is not importable" if _registry() is None else
+                  f"torch {torch.__version__} does not say its signal pads' size" if not pad_bytes else
                   f"{rows} rows need {rows * 4} bytes of signal flags, a signal pad has {pad_bytes}")
         _log_once(f"hf_vegas sums fused draft layers over the ranks through transformers, then a norm: {reason}.")
         return None
@@ -253,6 +256,16 @@ def exchange_for(group, rows: int, hidden: int, device: torch.device, dtype: tor
     if key not in _exchanges:
         _exchanges[key] = Exchange.allocate(rows, hidden, dtype, device, group.group_name)
     return _exchanges[key]
+
+
+def _registry():
+    """`hf_vegas_kernels.exchanges`, the exchanges by name that the op looks up (torch only), or None where the kernel
+    package is not importable (then no layer fuses, and no exchange is needed). Imported by name, so that the Hub
+    folder's copy of this module registers where the installed kernels look."""
+    try:
+        return importlib.import_module("hf_vegas_kernels.exchanges")
+    except ImportError:
+        return None
 
 
 @functools.cache

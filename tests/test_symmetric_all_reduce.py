@@ -159,20 +159,24 @@ def test_release_graphs_for_every_model_also_drops_the_buffers(monkeypatch):
     assert symmetric_all_reduce._buffers == {}
 
 
-@pytest.mark.parametrize("pad_bytes", [None, 64])
-def test_no_exchange_where_signal_pads_are_too_small_or_unknown(monkeypatch, caplog, pad_bytes):
-    """The fused layers' exchange needs one 4-byte flag per row on a signal pad: where torch cannot say the pads' size
-    (older releases) or they hold too few flags, there is none (said once); those layers sum through transformers."""
+@pytest.mark.parametrize("limit", ["unknown pad", "small pad", "no kernels"])
+def test_no_exchange_where_signal_pads_are_too_small_or_unknown_or_no_kernels(monkeypatch, caplog, limit):
+    """The fused layers' exchange needs one 4-byte flag per row on a signal pad, and the kernel package's registry:
+    where torch cannot say the pads' size (older releases), they hold too few flags, or hf_vegas_kernels is not
+    importable, there is none (said once); those layers sum through transformers."""
     import logging
 
     import torch.distributed._symmetric_memory as symm_mem
 
-    if pad_bytes is None:
+    if limit == "unknown pad":
         monkeypatch.delattr(symm_mem, "get_signal_pad_size", raising=False)
     else:
-        monkeypatch.setattr(symm_mem, "get_signal_pad_size", lambda: pad_bytes)
+        monkeypatch.setattr(symm_mem, "get_signal_pad_size", lambda: 64 if limit == "small pad" else 9216)
+    if limit == "no kernels":
+        monkeypatch.setattr(symmetric_all_reduce, "_registry", lambda: None)
     monkeypatch.setattr(symmetric_all_reduce.Exchange, "allocate", lambda *args: pytest.fail("allocated"))
     with caplog.at_level(logging.INFO, logger="hf_vegas"):
         assert symmetric_all_reduce.exchange_for(_Group(), 17, 64, torch.device("cpu"), torch.bfloat16) is None
     assert "through transformers" in caplog.text
-    assert ("32 rows need 128 bytes" in caplog.text) if pad_bytes else ("does not say" in caplog.text)
+    assert {"unknown pad": "does not say", "small pad": "32 rows need 128 bytes",
+            "no kernels": "hf_vegas_kernels is not importable"}[limit] in caplog.text
