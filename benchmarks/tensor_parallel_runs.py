@@ -156,7 +156,8 @@ def nccl_per_iteration(model, batch: int, config, capacity: int) -> dict:
         device = torch.device("cuda", torch.cuda.current_device())
         buffer = symmetric_all_reduce.buffer_for(group, numel, device, model.dtype)
         text = model.config.get_text_config(decoder=True)
-        exchange = symmetric_all_reduce.exchange_for(group, rows, text.hidden_size, device, model.dtype)
+        # the generation's exchange, for its draft rows (None where it made none)
+        exchange = symmetric_all_reduce.exchange_for(group, batch, text.hidden_size, device, model.dtype)
         if config.fuse_projections and exchange is not None:
             fused_sums = 2 * sum(parts is not None and batch <= parts.max_rows
                                  for parts in map(layer_parts, model.get_decoder().layers))
