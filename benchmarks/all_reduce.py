@@ -22,10 +22,11 @@ Rank 0 prints a line and appends a record to `--out` per row count.
 
 `--norm` times instead what a fused draft layer under TP = 2 runs after each row-parallel projection: the sum and the
 RMSNorm after it, as the one-shot all-reduce then a norm launch (`hf_vegas_kernels.rms_norm`), against the push
-all-reduce with the norm in the same launch (`hf_vegas_kernels.all_reduce_norm`, one barrier per sum, alternating
-halves of a receive buffer). Each link of the chains normalises the sum of the one before it (the values stay
-bounded); the sums are compared bit for bit with the one-shot ones in an eager link, the chains' last norms are
-compared within a bf16 rounding.
+all-reduce with the norm in the same launch (`hf_vegas_kernels.exchange_sum_norm` through the generation's kind of
+`Exchange`, one barrier per sum, alternating halves of a receive buffer; the records up to e531ed6 called the same
+kernel as `all_reduce_norm` on the exchange's tensors). Each link of the chains normalises the sum of the one before
+it (the values stay bounded); the sums are compared bit for bit with the one-shot ones in an eager link, the chains'
+last norms are compared within a bf16 rounding.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def measure_norm(rows: int, hidden: int, count: int, replays: int, group_name: s
         return y, kernels.rms_norm(y, weight, 1e-6)
 
     def fused(y, parity):
-        return kernels.all_reduce_norm(y, weight, 1e-6, *exchange.half(parity))
+        return kernels.exchange_sum_norm(y, weight, 1e-6, exchange.name, parity)  # what a generation runs
 
     want_sum, want_norm = separate(x.clone())
     got_sum, got_norm = fused(x.clone(), 0)
@@ -156,6 +157,8 @@ def main() -> None:
     if args.count > MAX_COUNT:
         raise SystemExit(f"--count must be at most {MAX_COUNT}: each all-reduce of the compared chains doubles "
                          "their values, which must stay finite")
+    if args.compile and args.norm:
+        raise SystemExit("--compile compiles the one-shot chain, which --norm does not time: pick one")
     if args.compile and len(args.rows) > 8:
         raise SystemExit("--compile takes at most 8 row counts (dynamo recompiles a function at most 8 times)")
     if any(rows * args.hidden % 2 for rows in args.rows):
@@ -164,32 +167,31 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     group_name = dist.group.WORLD.group_name
+    if args.norm and dist.get_world_size() != 2:
+        raise SystemExit("--norm sums over exactly 2 ranks (the fused op's peer): torchrun --nproc_per_node 2")
     if args.norm:
-        if dist.get_world_size() != 2:
-            raise SystemExit("--norm sums over exactly 2 ranks (the fused op's peer): torchrun --nproc_per_node 2")
-        if dist.get_rank() == 0:
-            print(f"{'rows':>5} {'one-shot + norm us':>19} {'fused us':>9} {'sums equal':>11} {'norm diff':>10}",
-                  flush=True)
-        for rows in args.rows:
-            record = measure_norm(rows, args.hidden, args.count, args.replays, group_name)
-            if dist.get_rank() == 0:
-                results_io.append_records(args.out, [dict(provenance.gpu_run(args.commit),
-                                                          world_size=dist.get_world_size(), **record)])
-                print(f"{rows:5d} {record['one_shot_then_norm_us']:19.2f} {record['fused_push_us']:9.2f} "
-                      f"{str(record['eager_sums_equal']):>11} {record['chain_norm_max_diff']:10.4f}", flush=True)
-        tensor_parallel_runs.finish()
-        return
+        header = f"{'rows':>5} {'one-shot + norm us':>19} {'fused us':>9} {'sums equal':>11} {'norm diff':>10}"
+
+        def run(rows):
+            r = measure_norm(rows, args.hidden, args.count, args.replays, group_name)
+            return r, (f"{rows:5d} {r['one_shot_then_norm_us']:19.2f} {r['fused_push_us']:9.2f} "
+                       f"{str(r['eager_sums_equal']):>11} {r['chain_norm_max_diff']:10.4f}")
+    else:
+        header = f"{'rows':>5} {'NCCL us':>8} {'one-shot us':>12} {'eager equal':>12} {'chain equal':>12}"
+
+        def run(rows):
+            r = measure(rows, args.hidden, args.count, args.replays, args.compile, group_name)
+            return r, (f"{rows:5d} {r['nccl_us']:8.2f} {r['symmetric_us']:12.2f} "
+                       f"{str(r['eager_equal']):>12} {str(r['chain_equal']):>12}")
     if dist.get_rank() == 0:
-        print(f"{'rows':>5} {'NCCL us':>8} {'one-shot us':>12} {'eager equal':>12} {'chain equal':>12}", flush=True)
+        print(header, flush=True)
     for rows in args.rows:  # each row count's record is written as soon as it is measured
-        record = measure(rows, args.hidden, args.count, args.replays, args.compile, group_name)
+        record, line = run(rows)
         if dist.get_rank() == 0:
             results_io.append_records(args.out, [dict(provenance.gpu_run(args.commit),
                                                       world_size=dist.get_world_size(), **record)])
-            print(f"{rows:5d} {record['nccl_us']:8.2f} {record['symmetric_us']:12.2f} "
-                  f"{str(record['eager_equal']):>12} {str(record['chain_equal']):>12}", flush=True)
+            print(line, flush=True)
     tensor_parallel_runs.finish()
-
 
 if __name__ == "__main__":
     main()

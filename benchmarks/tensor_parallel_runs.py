@@ -144,9 +144,11 @@ def nccl_per_iteration(model, batch: int, config, capacity: int) -> dict:
     sparse layer over the cache's slots. With `tp_all_reduce="symmetric_memory"` the hidden states' all-reduces are
     the symmetric ones the generation ran (`tp_all_reduce` in the record says which), and in the drafts the sums of
     the layers that fuse (`fused_layer_parts`, under `fuse_projections`) are the fused sum + norm
-    (`hf_vegas_kernels.all_reduce_norm`, `fused_draft_sums` in the record)."""
+    (`hf_vegas_kernels.exchange_sum_norm`, `fused_draft_sums` in the record)."""
     all_reduce, fused_sum, fused_sums = dist.all_reduce, None, 0
     if config.tp_all_reduce == "symmetric_memory":
+        import hf_vegas_kernels
+
         from hf_vegas import symmetric_all_reduce, tensor_parallel
         from hf_vegas.fused_layer_parts import layer_parts
 
@@ -165,12 +167,10 @@ def nccl_per_iteration(model, batch: int, config, capacity: int) -> dict:
         def all_reduce(tensor):
             symmetric_all_reduce.symmetric_all_reduce_(tensor, buffer, group.group_name)
 
-        def fused_sum(rows_2d, parity):
-            import hf_vegas_kernels
-
-            hf_vegas_kernels.all_reduce_norm(rows_2d, norm, 1e-6, *exchange.half(parity))
-
         norm = torch.ones(text.hidden_size, dtype=model.dtype, device=device)
+
+        def fused_sum(rows_2d, parity):
+            hf_vegas_kernels.exchange_sum_norm(rows_2d, norm, 1e-6, exchange.name, parity)
     out = dict(tp_all_reduce=config.tp_all_reduce)
     if config.gamma == 0:
         return dict(out, nccl_ms_per_iteration=forward_nccl_ms(model, batch, 1, 1, all_reduce))

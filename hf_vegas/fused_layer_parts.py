@@ -97,9 +97,9 @@ class LayerParts:
     fold_norms: bool  # the norms ride in the projections (else: launches of their own)
     full_steps: bool  # small weights, folded norms: the verification and dense steps fuse too (`fused_layers`)
     attention: torch.nn.Module  # the layer's attention module, for the attention dispatch of verification/dense steps
-    next_norm: tuple[torch.Tensor, float] | None = None  # the next fused layer's input norm (weight, eps)
-    hands_on: bool = False  # the next layer is fused too: it gets the rotary tables (and `next_norm`'s input)
-    following_norm: tuple[torch.Tensor, float] | None = None  # that next layer's input norm (weight, eps)
+    hands_on: bool = False  # the next layer is fused too: it gets the rotary tables (and its norm's input, below)
+    next_norm: tuple[torch.Tensor, float] | None = None  # that next layer's input norm (weight, eps), if `hands_on`
+    folds_next: bool = False  # both fold their norms: this layer's last projection writes the next norm's input
     # Under tensor parallelism: the output and down projections' sums over the ranks, and whether this rank adds the
     # residual to its partial product (the first rank only, so that the sum holds it once).
     tp_sums: tuple[RowParallelSum, RowParallelSum] | None = None
@@ -231,12 +231,10 @@ def _first_rank(mesh) -> bool:
 
 def link_norms(decoder, parts: dict) -> None:
     """Each fused layer of `decoder.layers` whose successor is fused too hands it the rotary tables, and where both
-    fold their norms writes that layer's norm input (under TP, where the sum over the ranks writes the norm with it,
-    `following_norm`)."""
+    fold their norms writes that layer's norm input (under TP the sum over the ranks may write that norm)."""
     layers = list(getattr(decoder, "layers", []))
     for layer, following in zip(layers, layers[1:]):
         if layer in parts and following in parts and parts[following].layer_idx == parts[layer].layer_idx + 1:
-            folding = parts[layer].fold_norms and parts[following].fold_norms
             parts[layer] = dataclasses.replace(
-                parts[layer], hands_on=True, following_norm=(parts[following].norm_in, parts[following].eps_in),
-                next_norm=(parts[following].norm_in, parts[following].eps_in) if folding else None)
+                parts[layer], hands_on=True, next_norm=(parts[following].norm_in, parts[following].eps_in),
+                folds_next=parts[layer].fold_norms and parts[following].fold_norms)

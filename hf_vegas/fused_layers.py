@@ -180,7 +180,7 @@ def _rest(kernels, parts: LayerParts, attn: torch.Tensor, x: torch.Tensor) -> tu
         x = kernels.linear_residual_op(attn, parts.o_weight, x)
         normed = kernels.rms_norm(x, parts.norm_post, parts.eps_post)
         gated = kernels.gated_linear_op(normed, parts.gate, parts.up, parts.act)
-    if parts.next_norm is None:  # (always, without fold_norms: `link_norms`)
+    if not parts.folds_next:  # (always, without fold_norms: `link_norms`)
         return kernels.linear_residual_op(gated, parts.down, x), None, None
     return kernels.linear_residual_norm(gated, parts.down, x, parts.next_norm[0])
 
@@ -203,7 +203,7 @@ def _tensor_parallel_rest(kernels, parts: LayerParts, attn: torch.Tensor, x: tor
         return parts.tp_sums[1](_partial_product(kernels, gated, parts.down, x, parts.adds_residual)), None, None
     x, normed = kernels.exchange_sum_norm(o_partial, parts.norm_post, parts.eps_post, exchange.name, 0)
     gated = kernels.gated_linear_op(normed, parts.gate, parts.up, parts.act)
-    norm, eps = parts.following_norm or (None, 0.0)  # (the last layer: the model's final norm follows)
+    norm, eps = parts.next_norm or (None, 0.0)  # (the last layer: the model's final norm follows)
     out, next_normed = kernels.exchange_sum_norm(_partial_product(kernels, gated, parts.down, x, parts.adds_residual),
                                                  norm, eps, exchange.name, 1)
     return out, next_normed if norm is not None else None, None

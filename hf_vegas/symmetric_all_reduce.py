@@ -162,10 +162,6 @@ class Exchange:
                       handle.get_signal_pad(handle.rank, (rows,), dtype=torch.int32),
                       handle.get_signal_pad(peer, (rows,), dtype=torch.int32))
 
-    def half(self, parity: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """`all_reduce_norm`'s `(peer_recv, recv, peer_pad, pad)` for a sum of this `parity` (0 or 1)."""
-        return self.peer_recv[parity], self.recv[parity], self.peer_pad, self.pad
-
 
 _exchanges: dict[tuple[str, torch.device, torch.dtype, int, int], Exchange] = {}
 

@@ -33,6 +33,7 @@ def test_outside_torchrun_or_on_one_gpu_it_says_how_to_launch(monkeypatch, world
     (["--hidden", "-1"], "must be positive integers"), (["--replays", "0"], "must be positive integers"),
     (["--count", "101"], "--count must be at most 100"), (["--rows", "16", "3", "--hidden", "7"], "must be even"),
     (["--compile", "--rows", *"1 2 3 4 5 6 7 8 9".split()], "at most 8 row counts"),
+    (["--compile", "--norm"], "pick one"),
 ])
 def test_what_it_cannot_run_is_refused(monkeypatch, argv, message):
     monkeypatch.setenv("LOCAL_RANK", "0")

@@ -41,7 +41,7 @@ def test_through_an_exchange_a_layer_sums_and_normalises_as_with_separate_launch
     hidden = model.config.hidden_size
     doubled = []
     first, last = (_tensor_parallel_parts(model, doubled)[i] for i in (0, -1))
-    assert first.following_norm is not None and last.following_norm is None
+    assert first.next_norm is not None and last.next_norm is None
     gen = torch.Generator().manual_seed(0)
     rows = 5
     attn = torch.randn(rows, first.o_weight.shape[1], generator=gen).to(DEVICE)
@@ -58,10 +58,10 @@ def test_through_an_exchange_a_layer_sums_and_normalises_as_with_separate_launch
         assert_fp32_close(exchange.recv[0, :rows], doubled[0])
         assert_fp32_close(exchange.recv[1, :rows], doubled[1])
         assert exchange.recv[:, rows:].isnan().all()
-        if parts.following_norm is None:  # the last layer: the model's final norm follows, not a fused layer's
+        if parts.next_norm is None:  # the last layer: the model's final norm follows, not a fused layer's
             assert next_normed is None
         else:
-            norm, eps = parts.following_norm
+            norm, eps = parts.next_norm
             assert_fp32_close(next_normed, kernels.rms_norm(out, norm, eps))
 
 
