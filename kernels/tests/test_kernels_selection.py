@@ -10,13 +10,16 @@ kernels = import_kernels()
 UNTOUCHED = -7
 
 
-@pytest.fixture(params=["row in registers", "tiled passes"], autouse=True)
+@pytest.fixture(params=["row in registers", "tiled passes", "chunked passes"], autouse=True)
 def kernel_variant(request, monkeypatch):
-    """Every test runs both kernels: a row held in registers (short rows) and the tiled threshold passes (long)."""
+    """Every test runs the three kernels: a row held in registers (short rows), and for long rows the threshold
+    passes in one program per row (`chunk` 0) or in one launch per pass over chunks of the row (256 slots here, so
+    that the tests' rows of a few hundred to a few thousand slots span several chunks)."""
     from hf_vegas_kernels import _launch
 
-    if request.param == "tiled passes":
+    if request.param != "row in registers":
         monkeypatch.setitem(_launch.SELECT_TUNING, "row_in_registers", 0)
+        monkeypatch.setitem(_launch.SELECT_TUNING, "chunk", 256 if request.param == "chunked passes" else 0)
     return request.param
 
 
@@ -136,3 +139,4 @@ def test_a_row_longer_than_16k_held_in_registers_selects_what_the_tiled_passes_d
         chosen[name] = _run(scores, count, cand_end)
     _check_topk(scores, count, cand_end, chosen["registers"])
     assert torch.equal(chosen["registers"], chosen["tiled"])
+

@@ -159,7 +159,9 @@ LINEAR_LARGE_WEIGHT_BYTES = 16 << 20
 # --methods vegas --compile --prefill-chunk 8192 --tuning-sets "select:row_in_registers=65536
 # sparse_wide_head:fused_combine=1" "sparse_wide_head:fused_combine=1"` (H200, f4a80ab, one process) gave a
 # verification of 30.94 ms against 30.33 with the tiled passes.
-SELECT_TUNING = {"num_warps": 0, "row_in_registers": 16384}
+# `chunk`: rows longer than `row_in_registers` run the threshold passes over chunks of this many slots, one program
+# per (row, chunk) and one launch per pass (`select_chunked.py`); 0 keeps one program per row for all its passes.
+SELECT_TUNING = {"num_warps": 0, "row_in_registers": 16384, "chunk": 4096}
 
 # Programmatic dependent launch (Hopper and later): a kernel of a step's chain (projections, attention, norm) is
 # launched while the one before it still runs, waits for it (`griddepcontrol.wait`) before loading anything, and lets

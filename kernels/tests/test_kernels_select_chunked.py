@@ -1,0 +1,51 @@
+"""The chunked threshold passes (`select_chunked.py`, rows longer than `SELECT_TUNING["row_in_registers"]`):
+the same list, slot for slot, as the tiled passes of one program per row. `test_kernels_selection.py` runs its
+property tests on them too (its "chunked passes" variant)."""
+
+import pytest
+import torch
+from kernel_cases import DEVICE, import_kernels
+from test_kernels_selection import UNTOUCHED, _check_topk
+
+kernels = import_kernels()
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 1024])
+def test_chunked_passes_select_the_tiled_passes_slots(chunk, monkeypatch):
+    """The chunked passes take the tiled kernel's bisection steps from per-chunk counts, so they must find the same
+    k-th key and write the same list, slot for slot: ties (taken in slot order across chunk borders), -0.0 (ordered
+    below +0.0 by both), -inf and NaN candidates, budgets of 0, 1 and every candidate, rows ending inside, at and
+    before a chunk, a chunk size that does not divide the row, and a subset of layers with a budget per layer."""
+    from hf_vegas_kernels import _launch
+
+    monkeypatch.setitem(_launch.SELECT_TUNING, "row_in_registers", 0)
+    gen = torch.Generator().manual_seed(chunk)
+    slots = 1000
+    scores = (torch.randint(-3, 4, (3, 4, slots), generator=gen).float() * 0.25).to(DEVICE)  # heavy ties
+    scores[0, 0, :40] = -0.0
+    scores[0, 1, 500:] = float("-inf")
+    scores[2, 2, 7] = float("nan")
+    scores[2, 3] = torch.randn(slots, generator=gen).to(DEVICE)
+    cand_end = torch.tensor([1000, 768, 17, 999], device=DEVICE)
+    count = torch.tensor([[333, 700, 0, 1], [0, 0, 0, 0], [999 // 7, 768, 17, 998]], device=DEVICE)
+    layers = torch.tensor([0, 2], device=DEVICE)
+    chosen = {}
+    for name, chunk_setting in (("chunked", chunk), ("tiled", 0)):
+        monkeypatch.setitem(_launch.SELECT_TUNING, "chunk", chunk_setting)
+        chosen[name] = torch.full((3, 4, 1004), UNTOUCHED, dtype=torch.long, device=DEVICE)
+        kernels.select_topk(scores, count, cand_end, chosen[name], layers=layers)
+    assert torch.equal(chosen["chunked"], chosen["tiled"])
+    assert (chosen["chunked"][1] == UNTOUCHED).all(), "a layer not listed is not written"
+    assert torch.equal(chosen["chunked"][2, 2, :17].cpu(), torch.arange(17)), "a budget of every candidate takes all"
+    _check_topk(scores[0].nan_to_num(nan=float("inf")), count[0], cand_end, chosen["chunked"][0])
+
+
+def test_a_chunk_that_is_not_a_power_of_two_is_refused_by_name(monkeypatch):
+    from hf_vegas_kernels import _launch
+
+    monkeypatch.setitem(_launch.SELECT_TUNING, "row_in_registers", 0)
+    monkeypatch.setitem(_launch.SELECT_TUNING, "chunk", 1000)
+    with pytest.raises(ValueError, match=r"SELECT_TUNING\['chunk'\].*power of two"):
+        out = torch.full((2, 8), UNTOUCHED, dtype=torch.long, device=DEVICE)
+        kernels.select_topk(torch.randn(2, 300, device=DEVICE), torch.tensor([3, 4], device=DEVICE),
+                            torch.tensor([300, 300], device=DEVICE), out)
