@@ -10,15 +10,17 @@ from test_kernels_selection import UNTOUCHED, _check_topk
 kernels = import_kernels()
 
 
-@pytest.mark.parametrize("chunk", [16, 64, 1024])
-def test_chunked_passes_select_the_tiled_passes_slots(chunk, monkeypatch):
-    """The chunked passes take the tiled kernel's bisection steps from per-chunk counts, so they must find the same
-    k-th key and write the same list, slot for slot: ties (taken in slot order across chunk borders), -0.0 (ordered
-    below +0.0 by both), -inf and NaN candidates, budgets of 0, 1 and every candidate, rows ending inside, at and
-    before a chunk, a chunk size that does not divide the row, and a subset of layers with a budget per layer."""
+@pytest.mark.parametrize("chunk, bits", [(16, 4), (64, 8), (1024, 4)])
+def test_chunked_passes_select_the_tiled_passes_slots(chunk, bits, monkeypatch):
+    """The chunked passes search the k-th key by radix buckets (4 or 8 bits a pass) from per-chunk counts, the
+    tiled kernel by thresholds: both must find the same k-th key and write the same list, slot for slot: ties (taken
+    in slot order across chunk borders), -0.0 (ordered below +0.0 by both), -inf and NaN candidates, budgets of 0,
+    1 and every candidate, rows ending inside, at and before a chunk, a chunk size that does not divide the row, and
+    a subset of layers with a budget per layer."""
     from hf_vegas_kernels import _launch
 
     monkeypatch.setitem(_launch.SELECT_TUNING, "row_in_registers", 0)
+    monkeypatch.setitem(_launch.SELECT_TUNING, "bits", bits)
     gen = torch.Generator().manual_seed(chunk)
     slots = 1000
     scores = (torch.randint(-3, 4, (3, 4, slots), generator=gen).float() * 0.25).to(DEVICE)  # heavy ties
@@ -46,6 +48,17 @@ def test_a_chunk_that_is_not_a_power_of_two_is_refused_by_name(monkeypatch):
     monkeypatch.setitem(_launch.SELECT_TUNING, "row_in_registers", 0)
     monkeypatch.setitem(_launch.SELECT_TUNING, "chunk", 1000)
     with pytest.raises(ValueError, match=r"SELECT_TUNING\['chunk'\].*power of two"):
+        out = torch.full((2, 8), UNTOUCHED, dtype=torch.long, device=DEVICE)
+        kernels.select_topk(torch.randn(2, 300, device=DEVICE), torch.tensor([3, 4], device=DEVICE),
+                            torch.tensor([300, 300], device=DEVICE), out)
+
+
+def test_bits_per_pass_other_than_4_or_8_are_refused_by_name(monkeypatch):
+    from hf_vegas_kernels import _launch
+
+    monkeypatch.setitem(_launch.SELECT_TUNING, "row_in_registers", 0)
+    monkeypatch.setitem(_launch.SELECT_TUNING, "bits", 5)
+    with pytest.raises(ValueError, match=r"SELECT_TUNING\['bits'\].*4 or 8"):
         out = torch.full((2, 8), UNTOUCHED, dtype=torch.long, device=DEVICE)
         kernels.select_topk(torch.randn(2, 300, device=DEVICE), torch.tensor([3, 4], device=DEVICE),
                             torch.tensor([300, 300], device=DEVICE), out)

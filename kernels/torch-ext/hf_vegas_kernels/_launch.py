@@ -161,7 +161,8 @@ LINEAR_LARGE_WEIGHT_BYTES = 16 << 20
 # verification of 30.94 ms against 30.33 with the tiled passes.
 # `chunk`: rows longer than `row_in_registers` run the threshold passes over chunks of this many slots, one program
 # per (row, chunk) and one launch per pass (`select_chunked.py`); 0 keeps one program per row for all its passes.
-SELECT_TUNING = {"num_warps": 0, "row_in_registers": 16384, "chunk": 4096}
+# `bits`: the key bits one of those passes resolves (4: 8 passes of 16 buckets; 8: 4 passes of 256).
+SELECT_TUNING = {"num_warps": 0, "row_in_registers": 16384, "chunk": 4096, "bits": 4}
 
 # Programmatic dependent launch (Hopper and later): a kernel of a step's chain (projections, attention, norm) is
 # launched while the one before it still runs, waits for it (`griddepcontrol.wait`) before loading anything, and lets
