@@ -10,14 +10,16 @@ program per (row, chunk), and each pass is a launch of its own:
   lie in [lo, hi], a range of at most 2^(32 - bits * p) keys starting at a multiple of that; every chunk counts its
   keys per bucket of 2^(32 - bits * (p + 1)) keys above lo (a histogram of 2^bits bins, keys above the range in the
   top bin) and stores the counts: plain stores, one slot per chunk, so no atomics, no zeroed buffer, the same sums
-  in any schedule. A program finds [lo, hi] by replaying the passes before it from their counts summed over the
-  row's chunks: the highest bucket start that still leaves at least k keys at or above it;
-- count: every chunk counts its keys above the k-th and equal to it;
+  in any schedule. A program first takes the step of the pass before it: [lo, hi] as that pass found it (stored by
+  its first chunk's program) narrowed by that pass's counts summed over the row's chunks, to the bucket with the
+  highest start that still leaves at least k keys at or above it; its first chunk's program stores the result;
+- count: the last pass's step gives the k-th key; every chunk counts its keys above it and equal to it;
 - write: every chunk writes its slots at the offset of those the chunks before it take (ties in slot order, as many
   as still fit), so the list comes out ascending and equal, slot for slot, to the tiled kernel's and the
   reference's (the k-th key is the same whatever the search's steps).
 
-A row whose range closed before the last pass (a single key) skips the remaining passes' counting.
+A row whose range closed before the last pass (a single key) skips the remaining passes' counting. Each program
+loads its chunk before it takes the step, so the load's round trip overlaps the step's reductions.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def _ordered_key(x):
 
 
 @triton.jit
-def _chunk_row(Count, CandEnd, Layers, batch, stride_cl, CHUNKS: tl.constexpr):
-    """The program's (listed row, chunk), the row's layer and sequence, its budget and candidate count."""
+def _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl, stride_sb, stride_cl,
+                CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """The program's listed row and chunk, the row's budget, and the chunk's slots, keys and which are candidates."""
     program = tl.program_id(0)
     row = program // CHUNKS
     chunk = program % CHUNKS
@@ -47,34 +50,44 @@ def _chunk_row(Count, CandEnd, Layers, batch, stride_cl, CHUNKS: tl.constexpr):
     b = (row % batch).to(tl.int64)
     k = tl.load(Count + layer * stride_cl + b).to(tl.int32)
     n = tl.load(CandEnd + b).to(tl.int32)
-    return row, chunk, layer, b, k, n
+    slot = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = slot < n
+    key = _ordered_key(tl.load(Scores + layer * stride_sl + b * stride_sb + slot, mask=valid, other=0.0))
+    return row, chunk, layer, b, k, slot, valid, key
 
 
 @triton.jit
-def _replay(Counts, row, k, PASS: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
-            BITS: tl.constexpr, PASSES: tl.constexpr):
-    """(lo, hi) after passes 0..PASS-1: the k-th largest key lies in [lo, hi] and at least k keys are >= lo."""
+def _step(Counts, State, row, chunk, k, PASS: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+          BITS: tl.constexpr, PASSES: tl.constexpr):
+    """(lo, hi) before pass PASS (PASSES: after the last, lo == hi == the k-th key): the k-th largest key lies in
+    [lo, hi] and at least k keys are >= lo. The first chunk's program stores it for the next launch."""
     BINS: tl.constexpr = 1 << BITS
-    lane = tl.arange(0, BINS).to(tl.int64)
-    chunks = tl.arange(0, CHUNKS_P2)
     lo = tl.full([], -2147483648, tl.int64)
     hi = tl.full([], 2147483647, tl.int64)
-    for p in tl.static_range(PASS):
-        step = tl.full([], 1, tl.int64) << (32 - BITS * (p + 1))
-        counts = Counts + ((row * (PASSES + 1) + p) * CHUNKS + chunks[:, None]) * BINS + lane[None, :]
+    if PASS > 0:
+        if PASS > 1:
+            lo = tl.load(State + (row * (PASSES + 1) + PASS - 1) * 2)
+            hi = tl.load(State + (row * (PASSES + 1) + PASS - 1) * 2 + 1)
+        lane = tl.arange(0, BINS).to(tl.int64)
+        chunks = tl.arange(0, CHUNKS_P2)
+        counts = Counts + ((row * PASSES + PASS - 1) * CHUNKS + chunks[:, None]) * BINS + lane[None, :]
         per_bucket = tl.sum(tl.load(counts, mask=(chunks < CHUNKS)[:, None], other=0), axis=0)
-        # keys in each bucket or above it: the keys at or above each bucket's start
+        # the keys at or above each bucket's start
         reached = tl.sum(per_bucket, axis=0) - tl.cumsum(per_bucket, axis=0) + per_bucket
         reached = tl.where(lane == 0, k, reached)  # lo itself always qualifies (invariant)
+        step = tl.full([], 1, tl.int64) << (32 - BITS * PASS)
         lo = tl.max(tl.where(reached >= k, lo + lane * step, -2147483648), axis=0)
         hi = tl.minimum(hi, lo + step - 1)
+        if chunk == 0:
+            tl.store(State + (row * (PASSES + 1) + PASS) * 2, lo)
+            tl.store(State + (row * (PASSES + 1) + PASS) * 2 + 1, hi)
     return lo, hi
 
 
 @triton.jit
 def _count_pass(
-    Scores, Count, CandEnd, Layers, Counts, batch, stride_sl, stride_sb, stride_cl,
-    PASS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+    Scores, Count, CandEnd, Layers, Counts, State, batch, stride_sl, stride_sb, stride_cl,
+    PASS: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
     BITS: tl.constexpr, PASSES: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     if USE_GDC:  # programmatic dependent launch: the scores (or the earlier passes' counts) are earlier output
@@ -82,118 +95,95 @@ def _count_pass(
         tl.extra.cuda.gdc_launch_dependents()
     BINS: tl.constexpr = 1 << BITS
     SHIFT: tl.constexpr = 32 - BITS * (PASS + 1)
-    row, chunk, layer, b, k, n = _chunk_row(Count, CandEnd, Layers, batch, stride_cl, CHUNKS)
-    lo, hi = _replay(Counts, row, k, PASS, CHUNKS, CHUNKS_P2, BITS, PASSES)
-    per_bucket = tl.zeros([BINS], tl.int32)
-    start = chunk * CHUNK
-    end = tl.minimum(start + CHUNK, n)
-    if (k > 0) & (lo < hi):  # a closed range counts nothing: its later passes keep (lo, hi)
-        scores = Scores + layer * stride_sl + b * stride_sb
-        for s0 in range(start, end, BLOCK):
-            slot = s0 + tl.arange(0, BLOCK)
-            valid = slot < end
-            bucket = (_ordered_key(tl.load(scores + slot, mask=valid, other=0.0)).to(tl.int64) - lo) >> SHIFT
-            counted = valid & (bucket >= 0)  # keys below lo count for no bucket; those above the range, the top one
-            bucket = tl.where(counted, tl.minimum(bucket, BINS - 1), 0).to(tl.int32)
-            per_bucket += tl.histogram(bucket, BINS, mask=counted)
-    tl.store(Counts + ((row * (PASSES + 1) + PASS) * CHUNKS + chunk) * BINS + tl.arange(0, BINS), per_bucket)
+    row, chunk, _, _, k, _, valid, key = _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl, stride_sb,
+                                                     stride_cl, CHUNK, CHUNKS)
+    lo, hi = _step(Counts, State, row, chunk, k, PASS, CHUNKS, CHUNKS_P2, BITS, PASSES)
+    bucket = (key.to(tl.int64) - lo) >> SHIFT
+    # Keys below lo count for no bucket, those above the range for the top one; a closed range (lo == hi) or an
+    # empty budget counts nothing, and the later passes keep its (lo, hi).
+    counted = valid & (bucket >= 0) & (k > 0) & (lo < hi)
+    bucket = tl.where(counted, tl.minimum(bucket, BINS - 1), 0).to(tl.int32)
+    tl.store(Counts + ((row * PASSES + PASS) * CHUNKS + chunk) * BINS + tl.arange(0, BINS),
+             tl.histogram(bucket, BINS, mask=counted))
 
 
 @triton.jit
 def _count_kth(
-    Scores, Count, CandEnd, Layers, Counts, batch, stride_sl, stride_sb, stride_cl,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+    Scores, Count, CandEnd, Layers, Counts, State, Totals, batch, stride_sl, stride_sb, stride_cl,
+    CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
     BITS: tl.constexpr, PASSES: tl.constexpr, USE_GDC: tl.constexpr,
 ):
-    """Each chunk's keys above the k-th and equal to it, into the counts' last pass slot (buckets 0 and 1)."""
+    """Each chunk's keys above the k-th and equal to it, into `Totals[row, chunk]`."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    row, chunk, layer, b, k, n = _chunk_row(Count, CandEnd, Layers, batch, stride_cl, CHUNKS)
-    kth, _ = _replay(Counts, row, k, PASSES, CHUNKS, CHUNKS_P2, BITS, PASSES)
+    row, chunk, _, _, k, _, valid, key = _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl, stride_sb,
+                                                     stride_cl, CHUNK, CHUNKS)
+    kth, _ = _step(Counts, State, row, chunk, k, PASSES, CHUNKS, CHUNKS_P2, BITS, PASSES)
     kth = kth.to(tl.int32)
-    above = tl.zeros([], tl.int32)
-    ties = tl.zeros([], tl.int32)
-    start = chunk * CHUNK
-    end = tl.minimum(start + CHUNK, n)
-    scores = Scores + layer * stride_sl + b * stride_sb
-    for s0 in range(start, end, BLOCK):
-        slot = s0 + tl.arange(0, BLOCK)
-        valid = slot < end
-        key = _ordered_key(tl.load(scores + slot, mask=valid, other=0.0))
-        above += tl.sum((valid & (key > kth)).to(tl.int32), axis=0)
-        ties += tl.sum((valid & (key == kth)).to(tl.int32), axis=0)
-    lane = tl.arange(0, 2)
-    tl.store(Counts + ((row * (PASSES + 1) + PASSES) * CHUNKS + chunk) * (1 << BITS) + lane,
-             tl.where(lane == 0, above, ties))
+    totals = Totals + (row * CHUNKS + chunk) * 2
+    tl.store(totals, tl.sum((valid & (key > kth)).to(tl.int32), axis=0))
+    tl.store(totals + 1, tl.sum((valid & (key == kth)).to(tl.int32), axis=0))
 
 
 @triton.jit
 def _write_chunk(
-    Scores, Count, CandEnd, Layers, Counts, batch, stride_sl, stride_sb, stride_cl, Out, stride_ol, stride_ob,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
-    BITS: tl.constexpr, PASSES: tl.constexpr, USE_GDC: tl.constexpr,
+    Scores, Count, CandEnd, Layers, State, Totals, batch, stride_sl, stride_sb, stride_cl, Out, stride_ol, stride_ob,
+    CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, PASSES: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """Each chunk's selected slots, at the offset of those the chunks before it select."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    row, chunk, layer, b, k, n = _chunk_row(Count, CandEnd, Layers, batch, stride_cl, CHUNKS)
-    start = chunk * CHUNK
-    end = tl.minimum(start + CHUNK, n)
-    if (k > 0) & (start < end):
-        kth, _ = _replay(Counts, row, k, PASSES, CHUNKS, CHUNKS_P2, BITS, PASSES)
-        kth = kth.to(tl.int32)
-        chunks = tl.arange(0, CHUNKS_P2)
-        totals = Counts + ((row * (PASSES + 1) + PASSES) * CHUNKS + chunks) * (1 << BITS)
-        above_per_chunk = tl.load(totals, mask=chunks < CHUNKS, other=0)
-        ties_per_chunk = tl.load(totals + 1, mask=chunks < CHUNKS, other=0)
-        before = chunks < chunk
-        ties_wanted = k - tl.sum(above_per_chunk, axis=0)
-        ties_seen = tl.sum(tl.where(before, ties_per_chunk, 0), axis=0)
-        taken = tl.sum(tl.where(before, above_per_chunk, 0), axis=0) + tl.minimum(ties_seen, ties_wanted)
-        scores = Scores + layer * stride_sl + b * stride_sb
-        out = Out + layer * stride_ol + b * stride_ob
-        for s0 in range(start, end, BLOCK):
-            slot = s0 + tl.arange(0, BLOCK)
-            valid = slot < end
-            key = _ordered_key(tl.load(scores + slot, mask=valid, other=0.0))
-            tie = (valid & (key == kth)).to(tl.int32)
-            tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
-            take = ((valid & (key > kth)) | ((tie == 1) & (tie_rank < ties_wanted))).to(tl.int32)
-            position = taken + tl.cumsum(take, axis=0) - take
-            tl.store(out + position, slot.to(tl.int64), mask=take == 1)
-            taken += tl.sum(take, axis=0)
-            ties_seen += tl.sum(tie, axis=0)
+    row, chunk, layer, b, k, slot, valid, key = _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl,
+                                                            stride_sb, stride_cl, CHUNK, CHUNKS)
+    valid = valid & (k > 0)  # an empty budget writes nothing
+    kth = tl.load(State + (row * (PASSES + 1) + PASSES) * 2).to(tl.int32)
+    chunks = tl.arange(0, CHUNKS_P2)
+    totals = Totals + (row * CHUNKS + chunks) * 2
+    above_per_chunk = tl.load(totals, mask=chunks < CHUNKS, other=0)
+    ties_per_chunk = tl.load(totals + 1, mask=chunks < CHUNKS, other=0)
+    before = chunks < chunk
+    ties_wanted = k - tl.sum(above_per_chunk, axis=0)
+    ties_before = tl.sum(tl.where(before, ties_per_chunk, 0), axis=0)
+    taken_before = tl.sum(tl.where(before, above_per_chunk, 0), axis=0) + tl.minimum(ties_before, ties_wanted)
+    tie = (valid & (key == kth)).to(tl.int32)
+    tie_rank = ties_before + tl.cumsum(tie, axis=0) - tie
+    take = ((valid & (key > kth)) | ((tie == 1) & (tie_rank < ties_wanted))).to(tl.int32)
+    position = taken_before + tl.cumsum(take, axis=0) - take
+    tl.store(Out + layer * stride_ol + b * stride_ob + position, slot.to(tl.int64), mask=take == 1)
 
 
 def select_topk_chunked(scores, count, cand_end, out3, layers, per_layer: bool, chunk: int, bits: int = BITS):
-    """`select.select_topk` for `scores` `(L, B, S)` rows, `chunk` slots per program (a power of two, at least 16),
-    `bits` of the key per pass (4 or 8). The caller has checked the other arguments; `layers` is a device tensor of
-    the layers to select for."""
-    if chunk < 16 or chunk & (chunk - 1):
-        raise ValueError(f"select_topk: the chunk (SELECT_TUNING['chunk']) must be a power of two >= 16, got {chunk}")
+    """`select.select_topk` for `scores` `(L, B, S)` rows, `chunk` slots per program (a power of two from 16 to
+    16384), `bits` of the key per pass (4 or 8). The caller has checked the other arguments; `layers` is a device
+    tensor of the layers to select for."""
+    if chunk < 16 or chunk > 16384 or chunk & (chunk - 1):
+        raise ValueError(f"select_topk: the chunk (SELECT_TUNING['chunk']) must be a power of two from 16 to 16384, "
+                         f"got {chunk}")
     if bits not in (4, 8):
         raise ValueError(f"select_topk: the bits per pass (SELECT_TUNING['bits']) must be 4 or 8, got {bits}")
     batch = scores.shape[1]
     rows = layers.numel() * batch
     chunks = triton.cdiv(scores.shape[-1], chunk)
     passes = 32 // bits
-    # Per (listed row, pass, chunk): the bucket counts; the last pass slot holds the count launch's two totals.
-    counts = torch.empty((rows, passes + 1, chunks, 1 << bits), dtype=torch.int32, device=scores.device)
-    use_gdc = _launch.pdl(scores.device)
-    # A program loads its whole chunk at once (up to 16 keys per thread): one round trip to memory per pass. A
-    # program looping over 1K-key blocks waited for each block's load in turn: 0.75 ms at best per verification
-    # at 16 x 32K on an H200 (8K-key chunks, 3c559b4).
-    block = min(chunk, 16384)
-    sizes = dict(CHUNK=chunk, BLOCK=block, CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks), BITS=bits,
-                 PASSES=passes, USE_GDC=use_gdc, num_warps=max(4, min(32, block // 512)),
-                 **_launch.pdl_launch(scores.device))
-    common = (scores, count, cand_end, layers, counts, batch, scores.stride(0), scores.stride(1))
-    stride_cl = count.stride(0) if per_layer else 0
+    device = scores.device
+    # Per (listed row, pass, chunk) the bucket counts; per (listed row, pass) the range found; per (listed row,
+    # chunk) the count launch's keys above the k-th and equal to it. Every slot read was written by an earlier launch.
+    counts = torch.empty((rows, passes, chunks, 1 << bits), dtype=torch.int32, device=device)
+    state = torch.empty((rows, passes + 1, 2), dtype=torch.int64, device=device)
+    totals = torch.empty((rows, chunks, 2), dtype=torch.int32, device=device)
+    # A program loads its whole chunk at once (up to 32 keys per thread): one round trip to memory per launch. At
+    # 16 x 32K on an H200, programs looping over 1K-key blocks (waiting for each block's load in turn) took 0.75
+    # ms at best per verification (8K-key chunks, 3c559b4).
+    sizes = dict(CHUNK=chunk, CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks), PASSES=passes,
+                 USE_GDC=_launch.pdl(device), num_warps=max(4, min(16, chunk // 512)), **_launch.pdl_launch(device))
+    keys = (scores, count, cand_end, layers)
+    strides = (batch, scores.stride(0), scores.stride(1), count.stride(0) if per_layer else 0)
     grid = (rows * chunks,)
     for p in range(passes):
-        _count_pass[grid](*common, stride_cl, PASS=p, **sizes)
-    _count_kth[grid](*common, stride_cl, **sizes)
-    _write_chunk[grid](*common, stride_cl, out3, out3.stride(0), out3.stride(1), **sizes)
+        _count_pass[grid](*keys, counts, state, *strides, PASS=p, BITS=bits, **sizes)
+    _count_kth[grid](*keys, counts, state, totals, *strides, BITS=bits, **sizes)
+    _write_chunk[grid](*keys, state, totals, *strides, out3, out3.stride(0), out3.stride(1), **sizes)
     return out3
