@@ -21,6 +21,7 @@ def test_chunked_passes_select_the_tiled_passes_slots(chunk, bits, monkeypatch):
 
     monkeypatch.setitem(_launch.SELECT_TUNING, "row_in_registers", 0)
     monkeypatch.setitem(_launch.SELECT_TUNING, "bits", bits)
+    monkeypatch.setitem(_launch.SELECT_TUNING, "chunk_warps", 2 if chunk == 16 else 4)
     gen = torch.Generator().manual_seed(chunk)
     slots = 1000
     scores = (torch.randint(-3, 4, (3, 4, slots), generator=gen).float() * 0.25).to(DEVICE)  # heavy ties

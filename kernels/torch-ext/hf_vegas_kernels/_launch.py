@@ -159,10 +159,14 @@ LINEAR_LARGE_WEIGHT_BYTES = 16 << 20
 # --methods vegas --compile --prefill-chunk 8192 --tuning-sets "select:row_in_registers=65536
 # sparse_wide_head:fused_combine=1" "sparse_wide_head:fused_combine=1"` (H200, f4a80ab, one process) gave a
 # verification of 30.94 ms against 30.33 with the tiled passes.
-# `chunk`: rows longer than `row_in_registers` run the threshold passes over chunks of this many slots, one program
-# per (row, chunk) and one launch per pass (`select_chunked.py`); 0 keeps one program per row for all its passes.
-# `bits`: the key bits one of those passes resolves (4: 8 passes of 16 buckets; 8: 4 passes of 256).
-SELECT_TUNING = {"num_warps": 0, "row_in_registers": 16384, "chunk": 4096, "bits": 4}
+# `chunk`: rows longer than `row_in_registers` run the search over chunks of this many slots, one program per (row,
+# chunk) and one launch per pass (`select_chunked.py`), `chunk_warps` warps each; 0 keeps one program per row for
+# all its passes (`_select_topk`). `bits`: the key bits one pass resolves (4: 8 passes of 16 buckets; 8: 4 of 256).
+# On an H200 (0e81daf, xfer-carried timing script: 36 layers of softmax-like scores, 7 % budget, the launches
+# captured in a graph) 36 x 16 rows of 33K slots took 810 us in one program per row, 500 at 2K-slot chunks, 8 bits
+# and 4 warps, 550 at 4K chunks, 645 at 4K chunks and 4 bits, 789 at 8K chunks; 36 x 1 rows of 131K slots 1,206 us,
+# 156, 143, 169 and 184.
+SELECT_TUNING = {"num_warps": 0, "row_in_registers": 16384, "chunk": 2048, "bits": 8, "chunk_warps": 4}
 
 # Programmatic dependent launch (Hopper and later): a kernel of a step's chain (projections, attention, norm) is
 # launched while the one before it still runs, waits for it (`griddepcontrol.wait`) before loading anything, and lets

@@ -156,8 +156,9 @@ def select_topk(scores, count, cand_end, out, layers=None):
         _select_topk_row[grid](*args, BLOCK_S=block, USE_GDC=_launch.pdl(scores.device), num_warps=warps,
                                **_launch.pdl_launch(scores.device))
     elif _launch.SELECT_TUNING["chunk"]:
-        select_topk_chunked(scores, count, cand_end, out3, layers, per_layer, _launch.SELECT_TUNING["chunk"],
-                            _launch.SELECT_TUNING["bits"])
+        tuning = _launch.SELECT_TUNING
+        select_topk_chunked(scores, count, cand_end, out3, layers, per_layer, tuning["chunk"], tuning["bits"],
+                            tuning["chunk_warps"])
     else:
         _select_topk[grid](*args, BLOCK_S=1024, THRESHOLDS=_THRESHOLDS, num_warps=8)
     return out

@@ -4,15 +4,16 @@
 thresholds, then a count and a write pass, each reading the row again. At the Qwen3-8B shape 16 x 32K that is 576
 programs, each reading its 128 KiB row ten times one block after another: 1.11 ms per verification on an H200
 (`kernel_bandwidth.py`, 58550eb), while the scores are 75 MB. Here each row is cut into chunks of `chunk` slots, one
-program per (row, chunk), and each pass is a launch of its own:
+program per (row, chunk), and each pass is a launch of its own (`_launch.SELECT_TUNING` holds the settings):
 
-- pass p (32 / `bits` launches): the k-th largest key (scores mapped to int32 keys of the same order) is known to
-  lie in [lo, hi], a range of at most 2^(32 - bits * p) keys starting at a multiple of that; every chunk counts its
-  keys per bucket of 2^(32 - bits * (p + 1)) keys above lo (a histogram of 2^bits bins, keys above the range in the
-  top bin) and stores the counts: plain stores, one slot per chunk, so no atomics, no zeroed buffer, the same sums
-  in any schedule. A program first takes the step of the pass before it: [lo, hi] as that pass found it (stored by
-  its first chunk's program) narrowed by that pass's counts summed over the row's chunks, to the bucket with the
-  highest start that still leaves at least k keys at or above it; its first chunk's program stores the result;
+- pass p (32 / `bits` launches; 4 passes of 256 buckets by default): the k-th largest key (scores mapped to int32
+  keys of the same order) is known to lie in [lo, hi], a range of at most 2^(32 - bits * p) keys starting at a
+  multiple of that; every chunk counts its keys per bucket of 2^(32 - bits * (p + 1)) keys above lo (a histogram of
+  2^bits bins, keys above the range in the top bin) and stores the counts: plain stores, one slot per chunk, so no
+  atomics, no zeroed buffer, the same sums in any schedule. A program first takes the step of the pass before it:
+  [lo, hi] as that pass found it (stored by its first chunk's program) narrowed by that pass's counts summed over
+  the row's chunks, to the bucket with the highest start that still leaves at least k keys at or above it; its
+  first chunk's program stores the result;
 - count: the last pass's step gives the k-th key; every chunk counts its keys above it and equal to it;
 - write: every chunk writes its slots at the offset of those the chunks before it take (ties in slot order, as many
   as still fit), so the list comes out ascending and equal, slot for slot, to the tiled kernel's and the
@@ -29,9 +30,6 @@ import triton
 import triton.language as tl
 
 from . import _launch
-
-BITS = 4  # bits of the key a pass resolves: 16 buckets, 8 passes (`bits` 8: 256 buckets, 4 passes)
-
 
 @triton.jit
 def _ordered_key(x):
@@ -155,10 +153,10 @@ def _write_chunk(
     tl.store(Out + layer * stride_ol + b * stride_ob + position, slot.to(tl.int64), mask=take == 1)
 
 
-def select_topk_chunked(scores, count, cand_end, out3, layers, per_layer: bool, chunk: int, bits: int = BITS):
+def select_topk_chunked(scores, count, cand_end, out3, layers, per_layer: bool, chunk: int, bits: int, warps: int):
     """`select.select_topk` for `scores` `(L, B, S)` rows, `chunk` slots per program (a power of two from 16 to
-    16384), `bits` of the key per pass (4 or 8). The caller has checked the other arguments; `layers` is a device
-    tensor of the layers to select for."""
+    16384) of `warps` warps, `bits` of the key per pass (4 or 8). The caller has checked the other arguments;
+    `layers` is a device tensor of the layers to select for."""
     if chunk < 16 or chunk > 16384 or chunk & (chunk - 1):
         raise ValueError(f"select_topk: the chunk (SELECT_TUNING['chunk']) must be a power of two from 16 to 16384, "
                          f"got {chunk}")
@@ -174,11 +172,11 @@ def select_topk_chunked(scores, count, cand_end, out3, layers, per_layer: bool, 
     counts = torch.empty((rows, passes, chunks, 1 << bits), dtype=torch.int32, device=device)
     state = torch.empty((rows, passes + 1, 2), dtype=torch.int64, device=device)
     totals = torch.empty((rows, chunks, 2), dtype=torch.int32, device=device)
-    # A program loads its whole chunk at once (up to 32 keys per thread): one round trip to memory per launch. At
-    # 16 x 32K on an H200, programs looping over 1K-key blocks (waiting for each block's load in turn) took 0.75
-    # ms at best per verification (8K-key chunks, 3c559b4).
+    # A program loads its whole chunk at once: one round trip to memory per launch. At 16 x 32K on an H200,
+    # programs looping over 1K-key blocks (waiting for each block's load in turn) took 0.75 ms at best per
+    # verification (8K-key chunks, 3c559b4).
     sizes = dict(CHUNK=chunk, CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks), PASSES=passes,
-                 USE_GDC=_launch.pdl(device), num_warps=max(4, min(16, chunk // 512)), **_launch.pdl_launch(device))
+                 USE_GDC=_launch.pdl(device), num_warps=warps, **_launch.pdl_launch(device))
     keys = (scores, count, cand_end, layers)
     strides = (batch, scores.stride(0), scores.stride(1), count.stride(0) if per_layer else 0)
     grid = (rows * chunks,)
