@@ -124,9 +124,9 @@ def test_select_with_a_budget_per_layer_and_a_window():
         kernels.select_topk(scores, count[:, :1], cand_end, out)
 
 
-def test_a_row_longer_than_16k_held_in_registers_selects_what_the_tiled_passes_do(monkeypatch):
+def test_a_row_longer_than_16k_held_in_registers_selects_what_the_passes_do(monkeypatch):
     """`_launch.SELECT_TUNING["row_in_registers"]` raised past 16K slots (a 32K block on 32 warps on the GPU): the
-    same slots, ties included, as the tiled passes."""
+    same slots, ties included, as the threshold passes of one program per row and the chunked radix passes."""
     from hf_vegas_kernels import _launch
 
     gen = torch.Generator().manual_seed(20000)
@@ -134,9 +134,10 @@ def test_a_row_longer_than_16k_held_in_registers_selects_what_the_tiled_passes_d
     count = torch.tensor([700, 33], device=DEVICE)
     cand_end = torch.tensor([20000, 17001], device=DEVICE)
     chosen = {}
-    for name, longest in (("registers", 32768), ("tiled", 0)):
+    for name, longest, chunk in (("registers", 32768, 0), ("tiled", 0, 0), ("chunked", 0, 2048)):
         monkeypatch.setitem(_launch.SELECT_TUNING, "row_in_registers", longest)
+        monkeypatch.setitem(_launch.SELECT_TUNING, "chunk", chunk)
         chosen[name] = _run(scores, count, cand_end)
     _check_topk(scores, count, cand_end, chosen["registers"])
     assert torch.equal(chosen["registers"], chosen["tiled"])
-
+    assert torch.equal(chosen["registers"], chosen["chunked"])

@@ -15,9 +15,9 @@ H100, against a ~20 us read of the scores. The block is the row's slot count rou
 pass only the slots that can be candidates (`SelectionState.select`): on an H100 (30 layers x 64 rows, random
 scores; a one-off timing script, not kept) 8193 slots, a power-of-two capacity plus the cache's scratch slot, took
 0.61 ms and 8192 slots 0.23 ms; radix passes of 8 bits through `tl.histogram` (0.45 ms at best) and four-way
-bisection (0.28 ms) were slower. End to end: README, "Fewer, overlapped launches". Longer rows run the same
-threshold passes over chunks of the row, one launch per pass (`select_chunked.py`, `SELECT_TUNING["chunk"]`); with
-`chunk` 0, in one program per row (`_select_topk`).
+bisection (0.28 ms) were slower. End to end: README, "Fewer, overlapped launches". Longer rows run a radix
+search of the k-th key over chunks of the row, one launch per pass (`select_chunked.py`, `SELECT_TUNING["chunk"]`);
+with `chunk` 0 or a Triton older than 3.4, the threshold passes below in one program per row (`_select_topk`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from .select_chunked import select_topk_chunked
+from . import select_chunked
 
 _THRESHOLDS = 16
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -155,10 +155,10 @@ def select_topk(scores, count, cand_end, out, layers=None):
         warps = _launch.SELECT_TUNING["num_warps"] or (4 if block <= 8192 else 16 if block <= 16384 else 32)
         _select_topk_row[grid](*args, BLOCK_S=block, USE_GDC=_launch.pdl(scores.device), num_warps=warps,
                                **_launch.pdl_launch(scores.device))
-    elif _launch.SELECT_TUNING["chunk"]:
+    elif _launch.SELECT_TUNING["chunk"] and select_chunked.supported():
         tuning = _launch.SELECT_TUNING
-        select_topk_chunked(scores, count, cand_end, out3, layers, per_layer, tuning["chunk"], tuning["bits"],
-                            tuning["chunk_warps"])
+        select_chunked.select_topk_chunked(scores, count, cand_end, out3, layers, per_layer, tuning["chunk"],
+                                           tuning["bits"], tuning["chunk_warps"])
     else:
         _select_topk[grid](*args, BLOCK_S=1024, THRESHOLDS=_THRESHOLDS, num_warps=8)
     return out

@@ -7,29 +7,45 @@ programs, each reading its 128 KiB row ten times one block after another: 1.11 m
 program per (row, chunk), and each pass is a launch of its own (`_launch.SELECT_TUNING` holds the settings):
 
 - pass p (32 / `bits` launches; 4 passes of 256 buckets by default): the k-th largest key (scores mapped to int32
-  keys of the same order) is known to lie in [lo, hi], a range of at most 2^(32 - bits * p) keys starting at a
-  multiple of that; every chunk counts its keys per bucket of 2^(32 - bits * (p + 1)) keys above lo (a histogram of
-  2^bits bins, keys above the range in the top bin) and stores the counts: plain stores, one slot per chunk, so no
-  atomics, no zeroed buffer, the same sums in any schedule. A program first takes the step of the pass before it:
-  [lo, hi] as that pass found it (stored by its first chunk's program) narrowed by that pass's counts summed over
-  the row's chunks, to the bucket with the highest start that still leaves at least k keys at or above it; its
-  first chunk's program stores the result;
+  keys of the same order) is known to lie in [lo, lo + 2^(32 - bits * p)), at least k keys being >= lo; every chunk
+  counts its keys per bucket of 2^(32 - bits * (p + 1)) keys from lo on (a histogram of 2^bits bins, keys above the
+  range in the top bin) and stores the counts: plain stores, one slot per chunk, so no atomics, no zeroed buffer,
+  the same sums in any schedule. A program first takes the step of the pass before it: lo as that pass found it
+  (stored by its first chunk's program), moved to the highest bucket start of that pass that still leaves at least
+  k keys at or above it (its counts summed over the row's chunks); its first chunk's program stores the result;
 - count: the last pass's step gives the k-th key; every chunk counts its keys above it and equal to it;
 - write: every chunk writes its slots at the offset of those the chunks before it take (ties in slot order, as many
   as still fit), so the list comes out ascending and equal, slot for slot, to the tiled kernel's and the
   reference's (the k-th key is the same whatever the search's steps).
 
-A row whose range closed before the last pass (a single key) skips the remaining passes' counting. Each program
-loads its chunk before it takes the step, so the load's round trip overlaps the step's reductions.
+Each program loads its chunk before it takes the step, so the load's round trip overlaps the step's reductions. A
+row is cut into at most 64 chunks (longer chunks for longer rows), and a step sums the counts 32 chunks at a time,
+so neither a program's registers nor its reads of the counts grow without bound with the row. The passes count
+with a masked `tl.histogram` (Triton 3.4 and later, `supported`); with an older Triton `select.py` keeps one
+program per row.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 import triton
 import triton.language as tl
 
 from . import _launch
+
+MAX_CHUNKS = 64  # a longer row takes longer chunks (up to MAX_CHUNK slots)
+MAX_CHUNK = 16384
+CHUNK_BLOCK = 32  # chunks whose counts a step sums at once
+
+
+@functools.cache
+def supported() -> bool:
+    """Whether this Triton's `tl.histogram` takes a mask (3.4 and later), which the passes count with."""
+    return "mask" in inspect.signature(tl.histogram).parameters
+
 
 @triton.jit
 def _ordered_key(x):
@@ -55,37 +71,37 @@ def _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl, stride_sb, str
 
 
 @triton.jit
-def _step(Counts, State, row, chunk, k, PASS: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+def _step(Counts, Lows, row, chunk, k, PASS: tl.constexpr, CHUNKS: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
           BITS: tl.constexpr, PASSES: tl.constexpr):
-    """(lo, hi) before pass PASS (PASSES: after the last, lo == hi == the k-th key): the k-th largest key lies in
-    [lo, hi] and at least k keys are >= lo. The first chunk's program stores it for the next launch."""
+    """lo before pass PASS (PASSES: after the last, the k-th key): the k-th largest key lies in [lo, lo +
+    2^(32 - BITS * PASS)) and at least k keys are >= lo. The first chunk's program stores it for the next launch."""
     BINS: tl.constexpr = 1 << BITS
     lo = tl.full([], -2147483648, tl.int64)
-    hi = tl.full([], 2147483647, tl.int64)
     if PASS > 0:
         if PASS > 1:
-            lo = tl.load(State + (row * (PASSES + 1) + PASS - 1) * 2)
-            hi = tl.load(State + (row * (PASSES + 1) + PASS - 1) * 2 + 1)
-        lane = tl.arange(0, BINS).to(tl.int64)
-        chunks = tl.arange(0, CHUNKS_P2)
-        counts = Counts + ((row * PASSES + PASS - 1) * CHUNKS + chunks[:, None]) * BINS + lane[None, :]
-        per_bucket = tl.sum(tl.load(counts, mask=(chunks < CHUNKS)[:, None], other=0), axis=0)
+            lo = tl.load(Lows + row * (PASSES + 1) + PASS - 1)
+        lane = tl.arange(0, BINS)
+        blocks = tl.arange(0, CHUNK_BLOCK)
+        counts = Counts + ((row * 2 + (PASS - 1) % 2) * CHUNKS) * BINS  # the pass before wrote its parity's slot
+        per_bucket = tl.zeros([BINS], tl.int32)
+        for c0 in range(0, CHUNKS, CHUNK_BLOCK):
+            chunks = c0 + blocks
+            per_bucket += tl.sum(tl.load(counts + chunks[:, None] * BINS + lane[None, :],
+                                         mask=(chunks < CHUNKS)[:, None], other=0), axis=0)
         # the keys at or above each bucket's start
         reached = tl.sum(per_bucket, axis=0) - tl.cumsum(per_bucket, axis=0) + per_bucket
         reached = tl.where(lane == 0, k, reached)  # lo itself always qualifies (invariant)
         step = tl.full([], 1, tl.int64) << (32 - BITS * PASS)
-        lo = tl.max(tl.where(reached >= k, lo + lane * step, -2147483648), axis=0)
-        hi = tl.minimum(hi, lo + step - 1)
+        lo = tl.max(tl.where(reached >= k, lo + lane.to(tl.int64) * step, -2147483648), axis=0)
         if chunk == 0:
-            tl.store(State + (row * (PASSES + 1) + PASS) * 2, lo)
-            tl.store(State + (row * (PASSES + 1) + PASS) * 2 + 1, hi)
-    return lo, hi
+            tl.store(Lows + row * (PASSES + 1) + PASS, lo)
+    return lo
 
 
 @triton.jit
 def _count_pass(
-    Scores, Count, CandEnd, Layers, Counts, State, batch, stride_sl, stride_sb, stride_cl,
-    PASS: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+    Scores, Count, CandEnd, Layers, Counts, Lows, batch, stride_sl, stride_sb, stride_cl,
+    PASS: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
     BITS: tl.constexpr, PASSES: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     if USE_GDC:  # programmatic dependent launch: the scores (or the earlier passes' counts) are earlier output
@@ -95,20 +111,21 @@ def _count_pass(
     SHIFT: tl.constexpr = 32 - BITS * (PASS + 1)
     row, chunk, _, _, k, _, valid, key = _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl, stride_sb,
                                                      stride_cl, CHUNK, CHUNKS)
-    lo, hi = _step(Counts, State, row, chunk, k, PASS, CHUNKS, CHUNKS_P2, BITS, PASSES)
+    lo = _step(Counts, Lows, row, chunk, k, PASS, CHUNKS, CHUNK_BLOCK, BITS, PASSES)
     bucket = (key.to(tl.int64) - lo) >> SHIFT
-    # Keys below lo count for no bucket, those above the range for the top one; a closed range (lo == hi) or an
-    # empty budget counts nothing, and the later passes keep its (lo, hi).
-    counted = valid & (bucket >= 0) & (k > 0) & (lo < hi)
+    # Keys below lo count for no bucket, those above the range for the top one; an empty budget counts nothing.
+    counted = valid & (bucket >= 0) & (k > 0)
     bucket = tl.where(counted, tl.minimum(bucket, BINS - 1), 0).to(tl.int32)
-    tl.store(Counts + ((row * PASSES + PASS) * CHUNKS + chunk) * BINS + tl.arange(0, BINS),
+    # Two slots of counts alternate: this launch's step read the other one, and the next launch writes that one
+    # only after this launch has finished.
+    tl.store(Counts + ((row * 2 + PASS % 2) * CHUNKS + chunk) * BINS + tl.arange(0, BINS),
              tl.histogram(bucket, BINS, mask=counted))
 
 
 @triton.jit
 def _count_kth(
-    Scores, Count, CandEnd, Layers, Counts, State, Totals, batch, stride_sl, stride_sb, stride_cl,
-    CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+    Scores, Count, CandEnd, Layers, Counts, Lows, Totals, batch, stride_sl, stride_sb, stride_cl,
+    CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
     BITS: tl.constexpr, PASSES: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """Each chunk's keys above the k-th and equal to it, into `Totals[row, chunk]`."""
@@ -117,8 +134,7 @@ def _count_kth(
         tl.extra.cuda.gdc_launch_dependents()
     row, chunk, _, _, k, _, valid, key = _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl, stride_sb,
                                                      stride_cl, CHUNK, CHUNKS)
-    kth, _ = _step(Counts, State, row, chunk, k, PASSES, CHUNKS, CHUNKS_P2, BITS, PASSES)
-    kth = kth.to(tl.int32)
+    kth = _step(Counts, Lows, row, chunk, k, PASSES, CHUNKS, CHUNK_BLOCK, BITS, PASSES).to(tl.int32)
     totals = Totals + (row * CHUNKS + chunk) * 2
     tl.store(totals, tl.sum((valid & (key > kth)).to(tl.int32), axis=0))
     tl.store(totals + 1, tl.sum((valid & (key == kth)).to(tl.int32), axis=0))
@@ -126,7 +142,7 @@ def _count_kth(
 
 @triton.jit
 def _write_chunk(
-    Scores, Count, CandEnd, Layers, State, Totals, batch, stride_sl, stride_sb, stride_cl, Out, stride_ol, stride_ob,
+    Scores, Count, CandEnd, Layers, Lows, Totals, batch, stride_sl, stride_sb, stride_cl, Out, stride_ol, stride_ob,
     CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, PASSES: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
@@ -137,7 +153,7 @@ def _write_chunk(
     row, chunk, layer, b, k, slot, valid, key = _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl,
                                                             stride_sb, stride_cl, CHUNK, CHUNKS)
     valid = valid & (k > 0)  # an empty budget writes nothing
-    kth = tl.load(State + (row * (PASSES + 1) + PASSES) * 2).to(tl.int32)
+    kth = tl.load(Lows + row * (PASSES + 1) + PASSES).to(tl.int32)
     chunks = tl.arange(0, CHUNKS_P2)
     totals = Totals + (row * CHUNKS + chunks) * 2
     above_per_chunk = tl.load(totals, mask=chunks < CHUNKS, other=0)
@@ -154,34 +170,39 @@ def _write_chunk(
 
 
 def select_topk_chunked(scores, count, cand_end, out3, layers, per_layer: bool, chunk: int, bits: int, warps: int):
-    """`select.select_topk` for `scores` `(L, B, S)` rows, `chunk` slots per program (a power of two from 16 to
-    16384) of `warps` warps, `bits` of the key per pass (4 or 8). The caller has checked the other arguments;
-    `layers` is a device tensor of the layers to select for."""
-    if chunk < 16 or chunk > 16384 or chunk & (chunk - 1):
-        raise ValueError(f"select_topk: the chunk (SELECT_TUNING['chunk']) must be a power of two from 16 to 16384, "
-                         f"got {chunk}")
+    """`select.select_topk` for `scores` `(L, B, S)` rows, in programs of `warps` warps over chunks of at least
+    `chunk` slots (a power of two from 16 to 16384; more where a row would have more than `MAX_CHUNKS`), `bits` of
+    the key per pass (4 or 8). The caller has checked the other arguments; `layers` is a device tensor of the layers
+    to select for."""
+    if chunk < 16 or chunk > MAX_CHUNK or chunk & (chunk - 1):
+        raise ValueError(f"select_topk: the chunk (SELECT_TUNING['chunk']) must be a power of two from 16 to "
+                         f"{MAX_CHUNK}, got {chunk}")
     if bits not in (4, 8):
         raise ValueError(f"select_topk: the bits per pass (SELECT_TUNING['bits']) must be 4 or 8, got {bits}")
     batch = scores.shape[1]
     rows = layers.numel() * batch
+    chunk = min(MAX_CHUNK, max(chunk, triton.next_power_of_2(triton.cdiv(scores.shape[-1], MAX_CHUNKS))))
     chunks = triton.cdiv(scores.shape[-1], chunk)
     passes = 32 // bits
     device = scores.device
-    # Per (listed row, pass, chunk) the bucket counts; per (listed row, pass) the range found; per (listed row,
-    # chunk) the count launch's keys above the k-th and equal to it. Every slot read was written by an earlier launch.
-    counts = torch.empty((rows, passes, chunks, 1 << bits), dtype=torch.int32, device=device)
-    state = torch.empty((rows, passes + 1, 2), dtype=torch.int64, device=device)
+    # Per (listed row, parity of the pass, chunk) the bucket counts; per (listed row, pass) the lo found; per (listed
+    # row, chunk) the count launch's keys above the k-th and equal to it. Every slot read was written by an earlier
+    # launch of this call.
+    counts = torch.empty((rows, 2, chunks, 1 << bits), dtype=torch.int32, device=device)
+    lows = torch.empty((rows, passes + 1), dtype=torch.int64, device=device)
     totals = torch.empty((rows, chunks, 2), dtype=torch.int32, device=device)
     # A program loads its whole chunk at once: one round trip to memory per launch. At 16 x 32K on an H200,
     # programs looping over 1K-key blocks (waiting for each block's load in turn) took 0.75 ms at best per
     # verification (8K-key chunks, 3c559b4).
-    sizes = dict(CHUNK=chunk, CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks), PASSES=passes,
-                 USE_GDC=_launch.pdl(device), num_warps=warps, **_launch.pdl_launch(device))
+    sizes = dict(CHUNK=chunk, CHUNKS=chunks, PASSES=passes, USE_GDC=_launch.pdl(device), num_warps=warps,
+                 **_launch.pdl_launch(device))
+    block = min(CHUNK_BLOCK, triton.next_power_of_2(chunks))
     keys = (scores, count, cand_end, layers)
     strides = (batch, scores.stride(0), scores.stride(1), count.stride(0) if per_layer else 0)
     grid = (rows * chunks,)
     for p in range(passes):
-        _count_pass[grid](*keys, counts, state, *strides, PASS=p, BITS=bits, **sizes)
-    _count_kth[grid](*keys, counts, state, totals, *strides, BITS=bits, **sizes)
-    _write_chunk[grid](*keys, state, totals, *strides, out3, out3.stride(0), out3.stride(1), **sizes)
+        _count_pass[grid](*keys, counts, lows, *strides, PASS=p, CHUNK_BLOCK=block, BITS=bits, **sizes)
+    _count_kth[grid](*keys, counts, lows, totals, *strides, CHUNK_BLOCK=block, BITS=bits, **sizes)
+    _write_chunk[grid](*keys, lows, totals, *strides, out3, out3.stride(0), out3.stride(1),
+                       CHUNKS_P2=triton.next_power_of_2(chunks), **sizes)
     return out3
