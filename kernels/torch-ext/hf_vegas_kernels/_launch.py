@@ -156,10 +156,10 @@ LINEAR_LARGE_WEIGHT_BYTES = 16 << 20
 # sweep. `row_in_registers`: the longest row (in slots, before rounding up to a power of two) held in registers;
 # longer rows take the chunked passes below (until 58550eb the threshold passes of one program per row, which at the
 # Qwen3-8B shape 16 x 32K cost 1.14 ms per verification on an H200, 1d6f650; the 16K line was drawn against those,
-# not re-measured against the chunked passes). One register-held row was slower there: `throughput.py --workloads qwen3-8b-shape:16x32768
-# --methods vegas --compile --prefill-chunk 8192 --tuning-sets "select:row_in_registers=65536
-# sparse_wide_head:fused_combine=1" "sparse_wide_head:fused_combine=1"` (H200, f4a80ab, one process) gave a
-# verification of 30.94 ms against 30.33 with the tiled passes.
+# not re-measured against the chunked passes). One register-held row was slower there: `throughput.py --workloads
+# qwen3-8b-shape:16x32768 --methods vegas --compile --prefill-chunk 8192 --tuning-sets
+# "select:row_in_registers=65536 sparse_wide_head:fused_combine=1" "sparse_wide_head:fused_combine=1"` (H200,
+# f4a80ab, one process) gave a verification of 30.94 ms against 30.33 with the tiled passes.
 # `chunk`: rows longer than `row_in_registers` run the search over chunks of at least this many slots (more where a
 # row would have more than 64 chunks), one program per (row, chunk) and one launch per pass (`select_chunked.py`),
 # `chunk_warps` warps each; 0 keeps one program per row for all its passes (`_select_topk`). `bits`: the key bits one
@@ -168,7 +168,12 @@ LINEAR_LARGE_WEIGHT_BYTES = 16 << 20
 # graph) 36 x 16 rows of 33K slots took 810 us in one program per row, 500 at 2K-slot chunks, 8 bits and 4 warps,
 # 550 at 4K chunks, 645 at 4K chunks and 4 bits, 789 at 8K chunks and 8 warps; 36 x 1 rows of 131K slots 1,206 us,
 # 156, 143, 169 and 184 (at most 64 chunks a row takes 4K there, since 1c00617's timing).
-SELECT_TUNING = {"num_warps": 0, "row_in_registers": 16384, "chunk": 2048, "bits": 8, "chunk_warps": 4}
+# `finalize_tile` and `finalize_warps`: the score finalisation's (`scores.py`) values per program (emitted heads x
+# slots, a power of two) and warps. At the Qwen3-8B shape 16 x 32K (32 emitted heads, 256 slots a program) it took
+# 1.0 ms per verification on an H200 (`kernel_bandwidth.py`, `finalize_us`, 1c00617), about twice a read of the
+# emitted logits; not swept yet.
+SELECT_TUNING = {"num_warps": 0, "row_in_registers": 16384, "chunk": 2048, "bits": 8, "chunk_warps": 4,
+                 "finalize_tile": 8192, "finalize_warps": 4}
 
 # Programmatic dependent launch (Hopper and later): a kernel of a step's chain (projections, attention, norm) is
 # launched while the one before it still runs, waits for it (`griddepcontrol.wait`) before loading anything, and lets

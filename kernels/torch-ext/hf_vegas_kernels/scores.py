@@ -64,7 +64,11 @@ def finalize_scores(emitted, lse, score_rows, cand_end, q_heads: int, weights: b
     if out is None:
         out = _launch.empty(batch, 1 if mean_rows else num_rows, num_slots, dtype=torch.float32, device=emitted.device)
     block_h = triton.next_power_of_2(heads)
-    block = max(64, 8192 // block_h)  # one (heads x slots) tile of 8K values per row and program
+    tuning = _launch.SELECT_TUNING
+    tile = tuning["finalize_tile"]
+    if tile < 1 or tile & (tile - 1):
+        raise ValueError(f"finalize_scores: SELECT_TUNING['finalize_tile'] must be a power of two, got {tile}")
+    block = max(64, tile // block_h)  # one (heads x slots) tile per row and program
     if cand_start is None:
         cand_start = torch.zeros_like(cand_end)
     if window is not None and q_slot is None:
@@ -76,6 +80,6 @@ def finalize_scores(emitted, lse, score_rows, cand_end, q_heads: int, weights: b
         out.stride(0), out.stride(1), q_slot.stride(0),
         EMIT_HEADS=heads, Q_HEADS=q_heads, NUM_ROWS=num_rows, WEIGHTS=weights, MEAN_ROWS=mean_rows,
         BLOCK_H=block_h, BLOCK_S=block, HAS_WINDOW=window is not None, USE_GDC=_launch.pdl(emitted.device),
-        num_warps=4, **_launch.pdl_launch(emitted.device),
+        num_warps=tuning["finalize_warps"], **_launch.pdl_launch(emitted.device),
     )
     return out
