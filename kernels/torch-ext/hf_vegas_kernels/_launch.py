@@ -167,7 +167,8 @@ LINEAR_LARGE_WEIGHT_BYTES = 16 << 20
 # carried to the device and not kept: 36 layers of softmax-like scores, 7 % budget, the launches captured in a
 # graph) 36 x 16 rows of 33K slots took 810 us in one program per row, 500 at 2K-slot chunks, 8 bits and 4 warps,
 # 550 at 4K chunks, 645 at 4K chunks and 4 bits, 789 at 8K chunks and 8 warps; 36 x 1 rows of 131K slots 1,206 us,
-# 156, 143, 169 and 184 (at most 64 chunks a row takes 4K there, since 1c00617's timing).
+# 156, 143, 169 and 184 (at most 64 chunks a row takes 4K there, since 1c00617's timing). `benchmarks/top_k_chunks.py`
+# repeats such a sweep (written after it; not yet run on a GPU).
 # `finalize_tile` and `finalize_warps`: the score finalisation's (`scores.py`) values per program (emitted heads x
 # slots, a power of two) and warps. At the Qwen3-8B shape 16 x 32K (32 emitted heads, 256 slots a program) it took
 # 1.0 ms per verification on an H200 (`kernel_bandwidth.py`, `finalize_us`, 1c00617), about twice a read of the
