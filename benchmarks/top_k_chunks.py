@@ -39,13 +39,17 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def check_settings(chunks: list[int], bits: list[int], warps: list[int]) -> None:
-    """Refuse a setting the chunked passes would refuse or could not launch, before any GPU work."""
-    for chunk in chunks:
-        if chunk < 16 or chunk > 16384 or chunk & (chunk - 1):
-            raise SystemExit(f"--chunks {chunk}: a power of two from 16 to 16384")
-    for b in bits:
-        if b not in (4, 8):
-            raise SystemExit(f"--bits {b}: 4 or 8")
+    """Refuse a setting the chunked passes would refuse (their own check) or could not launch, before any GPU
+    work."""
+    from hf_vegas_kernels import select_chunked
+
+    for flag, values, check in (("--chunks", chunks, lambda c: select_chunked.check_settings(c, 8)),
+                                ("--bits", bits, lambda b: select_chunked.check_settings(16, b))):
+        for value in values:
+            try:
+                check(value)
+            except ValueError as error:
+                raise SystemExit(f"{flag} {value}: {error}") from None
     for w in warps:
         if w not in WARPS:
             raise SystemExit(f"--warps {w}: one of {WARPS}")

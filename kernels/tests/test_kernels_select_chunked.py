@@ -64,23 +64,14 @@ def test_an_older_triton_keeps_one_program_per_row(monkeypatch):
     _check_topk(scores, count, cand_end, out)
 
 
-def test_a_chunk_that_is_not_a_power_of_two_is_refused_by_name(monkeypatch):
+@pytest.mark.parametrize("setting, value, message", [("chunk", 1000, r"SELECT_TUNING\['chunk'\].*power of two"),
+                                                     ("bits", 5, r"SELECT_TUNING\['bits'\].*4 or 8")])
+def test_settings_the_passes_cannot_run_are_refused_by_name(setting, value, message, monkeypatch):
     from hf_vegas_kernels import _launch
 
     monkeypatch.setitem(_launch.SELECT_TUNING, "row_in_registers", 0)
-    monkeypatch.setitem(_launch.SELECT_TUNING, "chunk", 1000)
-    with pytest.raises(ValueError, match=r"SELECT_TUNING\['chunk'\].*power of two"):
-        out = torch.full((2, 8), UNTOUCHED, dtype=torch.long, device=DEVICE)
-        kernels.select_topk(torch.randn(2, 300, device=DEVICE), torch.tensor([3, 4], device=DEVICE),
-                            torch.tensor([300, 300], device=DEVICE), out)
-
-
-def test_bits_per_pass_other_than_4_or_8_are_refused_by_name(monkeypatch):
-    from hf_vegas_kernels import _launch
-
-    monkeypatch.setitem(_launch.SELECT_TUNING, "row_in_registers", 0)
-    monkeypatch.setitem(_launch.SELECT_TUNING, "bits", 5)
-    with pytest.raises(ValueError, match=r"SELECT_TUNING\['bits'\].*4 or 8"):
+    monkeypatch.setitem(_launch.SELECT_TUNING, setting, value)
+    with pytest.raises(ValueError, match=message):
         out = torch.full((2, 8), UNTOUCHED, dtype=torch.long, device=DEVICE)
         kernels.select_topk(torch.randn(2, 300, device=DEVICE), torch.tensor([3, 4], device=DEVICE),
                             torch.tensor([300, 300], device=DEVICE), out)

@@ -28,15 +28,10 @@ import triton.language as tl
 
 from . import _launch
 from . import select_chunked
+from .select_chunked import ordered_key as _ordered_key
 
 _THRESHOLDS = 16
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-
-
-@triton.jit
-def _ordered_key(x):
-    bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
 @triton.jit

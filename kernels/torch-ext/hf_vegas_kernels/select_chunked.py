@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
+from ._pdl import wait_for_inputs
 
 MAX_CHUNKS = 64  # a longer row takes longer chunks (up to MAX_CHUNK slots)
 MAX_CHUNK = 16384
@@ -48,7 +49,8 @@ def supported() -> bool:
 
 
 @triton.jit
-def _ordered_key(x):
+def ordered_key(x):
+    """fp32 scores as int32 keys of the same order (-0.0 below +0.0, NaN above +inf); `select.py`'s kernels too."""
     bits = x.to(tl.int32, bitcast=True)
     return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
@@ -66,7 +68,7 @@ def _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl, stride_sb, str
     n = tl.load(CandEnd + b).to(tl.int32)
     slot = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = slot < n
-    key = _ordered_key(tl.load(Scores + layer * stride_sl + b * stride_sb + slot, mask=valid, other=0.0))
+    key = ordered_key(tl.load(Scores + layer * stride_sl + b * stride_sb + slot, mask=valid, other=0.0))
     return row, chunk, layer, b, k, slot, valid, key
 
 
@@ -104,9 +106,7 @@ def _count_pass(
     PASS: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
     BITS: tl.constexpr, PASSES: tl.constexpr, USE_GDC: tl.constexpr,
 ):
-    if USE_GDC:  # programmatic dependent launch: the scores (or the earlier passes' counts) are earlier output
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_inputs(USE_GDC, True)  # the scores (or the earlier passes' counts) are earlier launches' output
     BINS: tl.constexpr = 1 << BITS
     SHIFT: tl.constexpr = 32 - BITS * (PASS + 1)
     row, chunk, _, _, k, _, valid, key = _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl, stride_sb,
@@ -129,9 +129,7 @@ def _count_kth(
     BITS: tl.constexpr, PASSES: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """Each chunk's keys above the k-th and equal to it, into `Totals[row, chunk]`."""
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_inputs(USE_GDC, True)
     row, chunk, _, _, k, _, valid, key = _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl, stride_sb,
                                                      stride_cl, CHUNK, CHUNKS)
     kth = _step(Counts, Lows, row, chunk, k, PASSES, CHUNKS, CHUNK_BLOCK, BITS, PASSES).to(tl.int32)
@@ -147,9 +145,7 @@ def _write_chunk(
     USE_GDC: tl.constexpr,
 ):
     """Each chunk's selected slots, at the offset of those the chunks before it select."""
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_inputs(USE_GDC, True)
     row, chunk, layer, b, k, slot, valid, key = _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl,
                                                             stride_sb, stride_cl, CHUNK, CHUNKS)
     valid = valid & (k > 0)  # an empty budget writes nothing
@@ -169,16 +165,21 @@ def _write_chunk(
     tl.store(Out + layer * stride_ol + b * stride_ob + position, slot.to(tl.int64), mask=take == 1)
 
 
-def select_topk_chunked(scores, count, cand_end, out3, layers, per_layer: bool, chunk: int, bits: int, warps: int):
-    """`select.select_topk` for `scores` `(L, B, S)` rows, in programs of `warps` warps over chunks of at least
-    `chunk` slots (a power of two from 16 to 16384; more where a row would have more than `MAX_CHUNKS`), `bits` of
-    the key per pass (4 or 8). The caller has checked the other arguments; `layers` is a device tensor of the layers
-    to select for."""
+def check_settings(chunk: int, bits: int) -> None:
+    """Refuse, naming the setting, a chunk or a key width the passes cannot run."""
     if chunk < 16 or chunk > MAX_CHUNK or chunk & (chunk - 1):
         raise ValueError(f"select_topk: the chunk (SELECT_TUNING['chunk']) must be a power of two from 16 to "
                          f"{MAX_CHUNK}, got {chunk}")
     if bits not in (4, 8):
         raise ValueError(f"select_topk: the bits per pass (SELECT_TUNING['bits']) must be 4 or 8, got {bits}")
+
+
+def select_topk_chunked(scores, count, cand_end, out3, layers, per_layer: bool, chunk: int, bits: int, warps: int):
+    """`select.select_topk` for `scores` `(L, B, S)` rows, in programs of `warps` warps over chunks of at least
+    `chunk` slots (a power of two from 16 to 16384; more where a row would have more than `MAX_CHUNKS`), `bits` of
+    the key per pass (4 or 8). The caller has checked the other arguments; `layers` is a device tensor of the layers
+    to select for."""
+    check_settings(chunk, bits)
     batch = scores.shape[1]
     rows = layers.numel() * batch
     chunk = min(MAX_CHUNK, max(chunk, triton.next_power_of_2(triton.cdiv(scores.shape[-1], MAX_CHUNKS))))
