@@ -8,8 +8,9 @@ A shape is LAYERSxROWSxSLOTS: one verification's selection at the Qwen3-8B shape
 row's candidates all but its last 300 slots, its budget 7 % of them. For each shape, one program per row
 (`_launch.SELECT_TUNING["chunk"]` 0) and then every chunk x bits x warps setting of `select_chunked.py`: one
 `select_topk` over every layer captured in a CUDA graph and timed by `gpu_timing.graph_time` (median of 20 replays),
-and each setting's lists compared with one program per row's. Records go to --out (JSONL, with GPU, versions,
-commit); a table is printed last. The defaults in `_launch.SELECT_TUNING` came from such a sweep.
+and each setting's lists compared with one program per row's. Each setting compiles its kernels first (seconds
+each, a progress bar counts them); its record goes to --out (JSONL, with GPU, versions, commit) as soon as it is
+timed, so a run stopped early keeps what it measured; a table is printed last. The defaults in `_launch.SELECT_TUNING` came from such a sweep.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import itertools
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from gpu_timing import graph_time
 from provenance import gpu_run
@@ -55,7 +57,8 @@ def check_settings(chunks: list[int], bits: list[int], warps: list[int]) -> None
             raise SystemExit(f"--warps {w}: one of {WARPS}")
 
 
-def measure(layers: int, rows: int, slots: int, settings: list[dict]) -> list[dict]:
+def measure(layers: int, rows: int, slots: int, settings: list[dict], done=lambda record: None) -> list[dict]:
+    """One record per setting (one program per row first), each handed to `done` as soon as it is timed."""
     from hf_vegas_kernels import _launch, select
 
     gen = torch.Generator(device="cuda").manual_seed(layers * rows + slots)
@@ -67,7 +70,7 @@ def measure(layers: int, rows: int, slots: int, settings: list[dict]) -> list[di
     saved = dict(_launch.SELECT_TUNING)
     records, reference = [], None
     try:
-        for setting in [{"chunk": 0}] + settings:
+        for setting in tqdm([{"chunk": 0}] + settings, desc=f"{layers}x{rows}x{slots}", dynamic_ncols=True):
             _launch.SELECT_TUNING.update(saved, **setting)
             out.fill_(-1)
             us = graph_time(lambda i: select.select_topk(scores, count, cand_end, out), 1) * 1e6
@@ -75,6 +78,7 @@ def measure(layers: int, rows: int, slots: int, settings: list[dict]) -> list[di
                 reference = out.clone()
             records.append(dict(layers=layers, rows=rows, slots=slots, budget=budget, setting=setting, us=us,
                                 same_as_one_program_per_row=bool(torch.equal(out, reference))))
+            done(records[-1])
     finally:
         _launch.SELECT_TUNING.clear()
         _launch.SELECT_TUNING.update(saved)
@@ -97,8 +101,14 @@ def main() -> None:
     base = gpu_run(args.commit)
     settings = [dict(chunk=c, bits=b, chunk_warps=w) for c, b, w in itertools.product(args.chunks, args.bits,
                                                                                          args.warps)]
-    records = [dict(base, **r) for shape in shapes for r in measure(*shape, settings)]
-    append_records(args.out, records)
+    records = []
+
+    def done(record):
+        records.append(dict(base, **record))
+        append_records(args.out, records[-1:])
+
+    for shape in shapes:
+        measure(*shape, settings, done)
     print(f"{'layers x rows x slots':>22} {'us':>9}  setting (lists equal to one program per row's)")
     for r in records:
         shape = f"{r['layers']}x{r['rows']}x{r['slots']}"
