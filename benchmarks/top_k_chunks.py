@@ -10,7 +10,8 @@ row's candidates all but its last 300 slots, its budget 7 % of them. For each sh
 `select_topk` over every layer captured in a CUDA graph and timed by `gpu_timing.graph_time` (median of 20 replays),
 and each setting's lists compared with one program per row's. Each setting compiles its kernels first (seconds
 each, a progress bar counts them); its record goes to --out (JSONL, with GPU, versions, commit) as soon as it is
-timed, so a run stopped early keeps what it measured; a table is printed last. The defaults in `_launch.SELECT_TUNING` came from such a sweep.
+timed, so a run stopped early keeps what it measured; a table is printed last. The defaults in
+`_launch.SELECT_TUNING` came from such a sweep.
 """
 
 from __future__ import annotations
