@@ -230,8 +230,9 @@ class VegasCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         self.plan.crop(tokens_to_remove)
 
-    def activate_past_recording(self) -> None:
-        # Every slot stays in the buffer until overwritten, so rollback never needs a recording.
+    def activate_past_recording(self, **options) -> None:
+        # Every slot stays in the buffer until overwritten, so rollback never needs a recording. transformers 5.25's
+        # assisted loop passes `recurrent_states_to_keep` (for recurrent layers' states, which a VegasCache holds none of).
         pass
 
     def reset(self) -> None:

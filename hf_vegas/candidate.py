@@ -34,6 +34,12 @@ class VegasCandidateGenerator(CandidateGenerator):
         self.cache = cache
         self.runner = StepRunner(model, cache, logits_processor, do_sample)
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """Tokens drafted per iteration (gamma). transformers 5.25's assisted loop reads it to size what the cache
+        records for rollback; a `VegasCache` needs none of that (it crops by per-row lengths)."""
+        return self.runner.gamma
+
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
         if input_ids.shape[0] != 1:
             raise ValueError("HF's assisted decoding runs batch 1 only; use hf_vegas.generate for batches.")

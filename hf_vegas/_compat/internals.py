@@ -15,7 +15,7 @@ import transformers
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 # The releases every function here was checked on (pyproject.toml allows the 5.x releases from the first).
-CHECKED_ON = ("5.17.0", "5.23.0", "5.24.0")
+CHECKED_ON = ("5.17.0", "5.23.0", "5.24.0", "5.25.0")
 
 # The keyword a model's forward and `generate` take the cache by, which is also the field of their outputs that holds
 # it: transformers 5.24 renamed `past_key_values` to `cache` (the old keyword still works, with a deprecation warning,
