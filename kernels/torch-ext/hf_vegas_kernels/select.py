@@ -31,6 +31,7 @@ from . import select_chunked
 from .select_chunked import ordered_key as _ordered_key
 
 _THRESHOLDS = 16
+_WRITE_BLOCK = 1024  # slots per step of the register kernel's write
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
@@ -92,7 +93,7 @@ def _select_topk(
 def _select_topk_row(
     Scores, Count, CandEnd, Out, Layers, batch,
     stride_sl, stride_sb, stride_ol, stride_ob, stride_cl,
-    BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr,
+    BLOCK_S: tl.constexpr, WRITE_BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     if USE_GDC:  # programmatic dependent launch (`_launch.pdl`): the scores are the previous kernel's output
         tl.extra.cuda.gdc_wait()
@@ -116,11 +117,24 @@ def _select_topk_row(
         hi = tl.where(reached >= k, hi, mid - 1)
     kth = lo.to(tl.int32)
     ties_wanted = k - tl.sum((key > kth).to(tl.int32), axis=0)
-    tie = (valid & (key == kth)).to(tl.int32)
-    tie_rank = tl.cumsum(tie, axis=0) - tie
-    take = ((key > kth) | ((tie == 1) & (tie_rank < ties_wanted))).to(tl.int32)
-    position = tl.cumsum(take, axis=0) - take
-    tl.store(Out + layer * stride_ol + b * stride_ob + position, slot.to(tl.int64), mask=take == 1)
+    # The write reads the row again, WRITE_BLOCK slots at a time (from L2: the row was just read): scanning the whole
+    # row in registers kept its slots, ranks and positions live beside the keys, 255 registers and spills at 4 warps,
+    # two programs per SM.
+    scores = Scores + layer * stride_sl + b * stride_sb
+    out = Out + layer * stride_ol + b * stride_ob
+    taken = tl.zeros([], tl.int32)
+    ties_seen = tl.zeros([], tl.int32)
+    for s0 in range(0, n, WRITE_BLOCK):
+        part = s0 + tl.arange(0, WRITE_BLOCK)
+        listed = part < n
+        part_key = _ordered_key(tl.load(scores + part, mask=listed, other=float("-inf")))
+        tie = (listed & (part_key == kth)).to(tl.int32)
+        tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
+        take = ((listed & (part_key > kth)) | ((tie == 1) & (tie_rank < ties_wanted))).to(tl.int32)
+        position = taken + tl.cumsum(take, axis=0) - take
+        tl.store(out + position, part.to(tl.int64), mask=take == 1)
+        taken += tl.sum(take, axis=0)
+        ties_seen += tl.sum(tie, axis=0)
 
 
 def select_topk(scores, count, cand_end, out, layers=None):
@@ -148,7 +162,8 @@ def select_topk(scores, count, cand_end, out, layers=None):
     if scores.shape[-1] <= _launch.SELECT_TUNING["row_in_registers"]:
         block = triton.next_power_of_2(scores.shape[-1])
         warps = _launch.SELECT_TUNING["num_warps"] or (4 if block <= 8192 else 16 if block <= 16384 else 32)
-        _select_topk_row[grid](*args, BLOCK_S=block, USE_GDC=_launch.pdl(scores.device), num_warps=warps,
+        _select_topk_row[grid](*args, BLOCK_S=block, WRITE_BLOCK=min(block, _WRITE_BLOCK),
+                               USE_GDC=_launch.pdl(scores.device), num_warps=warps,
                                **_launch.pdl_launch(scores.device))
     elif _launch.SELECT_TUNING["chunk"] and select_chunked.supported():
         tuning = _launch.SELECT_TUNING
