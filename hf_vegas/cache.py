@@ -232,7 +232,7 @@ class VegasCache(Cache):
 
     def activate_past_recording(self, **options) -> None:
         # Every slot stays in the buffer until overwritten, so rollback never needs a recording. transformers 5.25's
-        # assisted loop passes `recurrent_states_to_keep` (for recurrent layers' states, which a VegasCache holds none of).
+        # assisted loop passes `recurrent_states_to_keep` (for recurrent layers' states: a VegasCache holds none).
         pass
 
     def reset(self) -> None:

@@ -9,15 +9,18 @@ launch (`layers * batch` programs); the `last_token` policy selects per layer af
 
 A row of at most `_launch.SELECT_TUNING["row_in_registers"]` slots (16K) is loaded once and kept in registers
 (`_select_topk_row`): the k-th key is then found by bisection, one reduction per bit (32), and the slots are written
-with one scan. Reloading the row for
-each of the threshold passes cost 0.59 ms per verification at SmolLM2 64 x 7.5K (30 layers, 1 920 programs) on an
-H100, against a ~20 us read of the scores. The block is the row's slot count rounded up to a power of two, so callers
-pass only the slots that can be candidates (`SelectionState.select`): on an H100 (30 layers x 64 rows, random
-scores; a one-off timing script, not kept) 8193 slots, a power-of-two capacity plus the cache's scratch slot, took
-0.61 ms and 8192 slots 0.23 ms; radix passes of 8 bits through `tl.histogram` (0.45 ms at best) and four-way
-bisection (0.28 ms) were slower. End to end: README, "Fewer, overlapped launches". Longer rows run a radix
-search of the k-th key over chunks of the row, one launch per pass (`select_chunked.py`, `SELECT_TUNING["chunk"]`);
-with `chunk` 0 or a Triton older than 3.4, the threshold passes below in one program per row (`_select_topk`).
+in 1,024-slot steps that read the row again from L2. Written with one scan of the whole row, the kernel held 255
+registers and spilled at 8K slots and 4 warps (two programs per SM; 128 registers now): at SmolLM2 64 x 7.5K on an
+H100 (`kernel_bandwidth.py`, 30 layers x 64 rows, two passes in one call) 251 / 249 -> 199 / 198 us (8 warps 221, 2
+warps 251). Reloading the row for each of the threshold passes cost 0.59 ms per verification at SmolLM2 64 x 7.5K
+(30 layers, 1 920 programs) on an H100, against a ~20 us read of the scores. The block is the row's slot count
+rounded up to a power of two, so callers pass only the slots that can be candidates (`SelectionState.select`): on an
+H100 (30 layers x 64 rows, random scores; a one-off timing script, not kept) 8193 slots, a power-of-two capacity
+plus the cache's scratch slot, took 0.61 ms and 8192 slots 0.23 ms; radix passes of 8 bits through `tl.histogram`
+(0.45 ms at best) and four-way bisection (0.28 ms) were slower. End to end: README, "Fewer, overlapped launches".
+Longer rows run a radix search of the k-th key over chunks of the row, one launch per pass (`select_chunked.py`,
+`SELECT_TUNING["chunk"]`); with `chunk` 0 or a Triton older than 3.4, the threshold passes below in one program per
+row (`_select_topk`).
 """
 
 from __future__ import annotations
