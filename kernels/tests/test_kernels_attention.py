@@ -617,6 +617,31 @@ def _attend_compact(case, b, slots):
     return naive.dense_attention(case.q[b : b + 1].float(), k, v, n[:, None] - 1, n, case.scaling)
 
 
+def test_offsets_inside_a_row_are_int32_only_where_they_fit():
+    """The kernels index a row's keys and values with int32 offsets only where every offset inside a row fits; a row
+    past 2**31 elements (`test_offsets_past_int32_on_gpu`) takes 64-bit ones."""
+    fits = attention_kernels._row_offsets_fit_int32
+    small = torch.empty(64, 8192, 3, 64, device="meta")
+    huge = torch.empty(2, (1 << 31) // (8 * 128) + 4096, 8, 128, device="meta")
+    assert fits(small, small) and not fits(huge, huge) and not fits(small, huge)
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_64_bit_row_offsets_give_the_same_results(monkeypatch, tokens):
+    """The 64-bit offsets that rows past 2**31 elements take (forced here at a small size): every kind as the
+    reference, nothing unread touched."""
+    monkeypatch.setattr(attention_kernels, "_row_offsets_fit_int32", lambda k_cache, v_cache: False)
+    case = make_case(LENGTHS, [tokens, tokens + 2, tokens], tokens, 64, 6, 2, seed=40 + tokens)
+    args = (case.q_slot, case.kv_len, case.sel_idx, case.sel_count, case.sel_end, case.scaling)
+    readable = sparse_readable(case)
+    got = kernels.sparse_draft_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *args)
+    _assert_close(got, naive.sparse_draft_attention(case.q, case.k, case.v, *args), torch.float32)
+    dense_args = (case.q_slot, case.kv_len, case.scaling)
+    readable = dense_readable(case)
+    got = kernels.dense_attention(case.q, poisoned(case.k, readable), poisoned(case.v, readable), *dense_args)
+    _assert_close(got, naive.dense_attention(case.q, case.k, case.v, *dense_args), torch.float32)
+
+
 @gpu
 @pytest.mark.gpu
 def test_offsets_past_int32_on_gpu():

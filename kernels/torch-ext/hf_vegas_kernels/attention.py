@@ -62,7 +62,7 @@ def _attend_list(
     EMIT: tl.constexpr, EMIT_HALF: tl.constexpr, NUM_SCORE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
     PRECISION: tl.constexpr,
     SINGLE: tl.constexpr, HAS_SINKS: tl.constexpr, FUSED_COMBINE: tl.constexpr, USE_GDC: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr, HAS_TAIL_START: tl.constexpr, BALANCE: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr, HAS_TAIL_START: tl.constexpr, BALANCE: tl.constexpr, OFFSETS_32: tl.constexpr,
 ):
     split = tl.program_id(0)
     row_head = tl.program_id(1)
@@ -163,7 +163,11 @@ def _attend_list(
                 listed = tl.full([BLOCK_N], 1, tl.int1)
             else:
                 listed = in_list
-            k = tl.load(K + b * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+            # Offsets inside a row's cache in int32 where they fit (`OFFSETS_32`): 64-bit offset tiles for the keys and
+            # values held the per-head emission's verification at 255 registers with a 96-byte spill (sm_90), 8 bytes
+            # with these.
+            row_slot = slot.to(tl.int32) if OFFSETS_32 else slot
+            k = tl.load(K + b * stride_kb + kvh * stride_kh + (row_slot[:, None] * stride_ks + d[None, :]),
                         mask=listed[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             if HAS_SOFTCAP:
@@ -189,7 +193,7 @@ def _attend_list(
             alpha = tl.math.exp2(m_i - m_safe)
             probs = tl.math.exp2(s * qk_scale - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(probs, axis=1)
-            v = tl.load(V + b * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
+            v = tl.load(V + b * stride_vb + kvh * stride_vh + (row_slot[:, None] * stride_vs + dv[None, :]),
                         mask=listed[:, None] & (dv[None, :] < V_DIM), other=0.0)
             acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
@@ -202,6 +206,12 @@ def _attend_list(
         return
     _split_state_out(MPart, LPart, OPart, Tickets, Sinks, row_head, split, num_splits, rows, m, row_ok, m_i, l_i, acc,
                      kvh * GROUPS + g, out_ptr, lse_ptr, V_DIM, BLOCK_M, BLOCK_DV, HAS_SINKS, FUSED_COMBINE)
+
+
+def _row_offsets_fit_int32(k_cache, v_cache) -> bool:
+    """Whether every element offset inside one row of the caches (`(B, S, H, D)`, last dim contiguous) fits int32."""
+    return all((c.shape[1] - 1) * c.stride(1) + (c.shape[2] - 1) * c.stride(2) + c.shape[3] < 2**31
+               for c in (k_cache, v_cache))
 
 
 def emit_dtype(q_dtype: torch.dtype) -> torch.dtype:
@@ -302,6 +312,7 @@ def attend(
         SINGLE=single, HAS_SINKS=sinks is not None, FUSED_COMBINE=fused, USE_GDC=_launch.pdl(device),
         EARLY_TRIGGER=_launch.pdl_option(device, "early_trigger"), HAS_TAIL_START=tail_start is not None,
         BALANCE=sparse and bool(tuning.get("balance", False)),
+        OFFSETS_32=_row_offsets_fit_int32(k_cache, v_cache),
         num_warps=tuning["num_warps"], num_stages=stages, **_launch.pdl_launch(device),
     )
     if single or fused:
