@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from hf_vegas_kernels import naive
 from kernel_cases import DEVICE, import_kernels
 
 kernels = import_kernels()
@@ -69,6 +70,22 @@ def test_select_with_ties_negative_zero_and_whole_range():
     _check_topk(scores, count, cand_end, out)
     assert torch.equal(out[2, :33].cpu(), torch.arange(33))
     assert out[3, 0] == 100
+
+
+def test_candidates_past_the_scores_count_as_their_width():
+    """A `cand_end` past the scores' slots (here a view of a wider buffer whose next slots score highest, and NaN past
+    that) selects from the scores' slots only and writes exactly `count` entries, as the reference does."""
+    wide = torch.full((3, 2048), float("nan"))
+    wide[:, :1100] = torch.randn(3, 1100, generator=torch.Generator().manual_seed(5))
+    wide[:, 1000:1100] = 100.0  # past the view: would win if read
+    scores = wide.to(DEVICE)[:, :1000]
+    cand_end = torch.tensor([1100, 1000, 2000], device=DEVICE)
+    count = torch.tensor([4, 300, 999], device=DEVICE)
+    out = _run(scores, count, cand_end)
+    expected = torch.full_like(out, UNTOUCHED)
+    naive.select_topk(scores, count, cand_end, expected)
+    assert torch.equal(out, expected)
+    _check_topk(scores, count, torch.full_like(cand_end, 1000), out)
 
 
 def test_select_handles_extreme_magnitudes():

@@ -40,7 +40,7 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 @triton.jit
 def _select_topk(
-    Scores, Count, CandEnd, Out, Layers, batch,
+    Scores, Count, CandEnd, Out, Layers, batch, num_slots,
     stride_sl, stride_sb, stride_ol, stride_ob, stride_cl,
     BLOCK_S: tl.constexpr, THRESHOLDS: tl.constexpr,
 ):
@@ -49,7 +49,7 @@ def _select_topk(
     b = (program % batch).to(tl.int64)
     scores = Scores + layer * stride_sl + b * stride_sb
     k = tl.load(Count + layer * stride_cl + b).to(tl.int32)
-    n = tl.load(CandEnd + b)
+    n = tl.minimum(tl.load(CandEnd + b), num_slots)  # no candidate past the scores' last slot
     lane = tl.arange(0, THRESHOLDS).to(tl.int64)
     # Invariant: at least k candidates have key >= lo, and the k-th largest key lies in [lo, hi].
     lo = tl.full([], -2147483648, tl.int64)
@@ -94,7 +94,7 @@ def _select_topk(
 
 @triton.jit
 def _select_topk_row(
-    Scores, Count, CandEnd, Out, Layers, batch,
+    Scores, Count, CandEnd, Out, Layers, batch, num_slots,
     stride_sl, stride_sb, stride_ol, stride_ob, stride_cl,
     BLOCK_S: tl.constexpr, WRITE_BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
 ):
@@ -105,7 +105,7 @@ def _select_topk_row(
     layer = tl.load(Layers + program // batch)
     b = (program % batch).to(tl.int64)
     k = tl.load(Count + layer * stride_cl + b).to(tl.int32)
-    n = tl.load(CandEnd + b)
+    n = tl.minimum(tl.load(CandEnd + b), num_slots)  # no candidate past the scores' last slot
     slot = tl.arange(0, BLOCK_S)
     valid = slot < n
     key = _ordered_key(tl.load(Scores + layer * stride_sl + b * stride_sb + slot, mask=valid, other=float("-inf")))
@@ -146,7 +146,8 @@ def select_topk(scores, count, cand_end, out, layers=None):
     `scores` `(B, S)` with `out` `(B, K)`, or `scores` `(L, B, S)` with `out` `(L, B, K)` and `layers` the layer
     indices to select for (default: all); `count` `(B,)`, or `(L, B)` for a budget per layer. Slots come out
     ascending; `count <= cand_end` is required (the budget never exceeds the candidates) and `out[..., b, count:]`
-    is left untouched. Returns `out`.
+    is left untouched. A `cand_end` past the scores' `S` slots counts as `S`, as in `naive.select_topk`: no slot
+    past a row's scores is read. Returns `out`.
     """
     if scores.dim() == 2:
         scores, out3 = scores[None], out[None]
@@ -159,7 +160,7 @@ def select_topk(scores, count, cand_end, out, layers=None):
         layers = torch.arange(scores.shape[0], device=scores.device)
     batch = scores.shape[1]
     grid = (layers.numel() * batch,)
-    args = (scores, count, cand_end, out3, layers, batch,
+    args = (scores, count, cand_end, out3, layers, batch, scores.shape[-1],
             scores.stride(0), scores.stride(1), out3.stride(0), out3.stride(1),
             count.stride(0) if per_layer else 0)
     if scores.shape[-1] <= _launch.SELECT_TUNING["row_in_registers"]:

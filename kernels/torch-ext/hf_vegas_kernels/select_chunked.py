@@ -56,7 +56,7 @@ def ordered_key(x):
 
 
 @triton.jit
-def _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl, stride_sb, stride_cl,
+def _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl, stride_sb, stride_cl, num_slots,
                 CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
     """The program's listed row and chunk, the row's budget, and the chunk's slots, keys and which are candidates."""
     program = tl.program_id(0)
@@ -65,7 +65,7 @@ def _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl, stride_sb, str
     layer = tl.load(Layers + row // batch)
     b = (row % batch).to(tl.int64)
     k = tl.load(Count + layer * stride_cl + b).to(tl.int32)
-    n = tl.load(CandEnd + b).to(tl.int32)
+    n = tl.minimum(tl.load(CandEnd + b), num_slots).to(tl.int32)  # no candidate past the scores' last slot
     slot = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = slot < n
     key = ordered_key(tl.load(Scores + layer * stride_sl + b * stride_sb + slot, mask=valid, other=0.0))
@@ -102,7 +102,7 @@ def _step(Counts, Lows, row, chunk, k, PASS: tl.constexpr, CHUNKS: tl.constexpr,
 
 @triton.jit
 def _count_pass(
-    Scores, Count, CandEnd, Layers, Counts, Lows, batch, stride_sl, stride_sb, stride_cl,
+    Scores, Count, CandEnd, Layers, Counts, Lows, batch, stride_sl, stride_sb, stride_cl, num_slots,
     PASS: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
     BITS: tl.constexpr, PASSES: tl.constexpr, USE_GDC: tl.constexpr,
 ):
@@ -110,7 +110,7 @@ def _count_pass(
     BINS: tl.constexpr = 1 << BITS
     SHIFT: tl.constexpr = 32 - BITS * (PASS + 1)
     row, chunk, _, _, k, _, valid, key = _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl, stride_sb,
-                                                     stride_cl, CHUNK, CHUNKS)
+                                                     stride_cl, num_slots, CHUNK, CHUNKS)
     lo = _step(Counts, Lows, row, chunk, k, PASS, CHUNKS, CHUNK_BLOCK, BITS, PASSES)
     bucket = (key.to(tl.int64) - lo) >> SHIFT
     # Keys below lo count for no bucket, those above the range for the top one; an empty budget counts nothing.
@@ -124,14 +124,14 @@ def _count_pass(
 
 @triton.jit
 def _count_kth(
-    Scores, Count, CandEnd, Layers, Counts, Lows, Totals, batch, stride_sl, stride_sb, stride_cl,
+    Scores, Count, CandEnd, Layers, Counts, Lows, Totals, batch, stride_sl, stride_sb, stride_cl, num_slots,
     CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
     BITS: tl.constexpr, PASSES: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """Each chunk's keys above the k-th and equal to it, into `Totals[row, chunk]`."""
     wait_for_inputs(USE_GDC, True)
     row, chunk, _, _, k, _, valid, key = _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl, stride_sb,
-                                                     stride_cl, CHUNK, CHUNKS)
+                                                     stride_cl, num_slots, CHUNK, CHUNKS)
     kth = _step(Counts, Lows, row, chunk, k, PASSES, CHUNKS, CHUNK_BLOCK, BITS, PASSES).to(tl.int32)
     totals = Totals + (row * CHUNKS + chunk) * 2
     tl.store(totals, tl.sum((valid & (key > kth)).to(tl.int32), axis=0))
@@ -140,14 +140,15 @@ def _count_kth(
 
 @triton.jit
 def _write_chunk(
-    Scores, Count, CandEnd, Layers, Lows, Totals, batch, stride_sl, stride_sb, stride_cl, Out, stride_ol, stride_ob,
+    Scores, Count, CandEnd, Layers, Lows, Totals, batch, stride_sl, stride_sb, stride_cl, num_slots, Out, stride_ol,
+    stride_ob,
     CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, PASSES: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     """Each chunk's selected slots, at the offset of those the chunks before it select."""
     wait_for_inputs(USE_GDC, True)
     row, chunk, layer, b, k, slot, valid, key = _chunk_keys(Scores, Count, CandEnd, Layers, batch, stride_sl,
-                                                            stride_sb, stride_cl, CHUNK, CHUNKS)
+                                                            stride_sb, stride_cl, num_slots, CHUNK, CHUNKS)
     valid = valid & (k > 0)  # an empty budget writes nothing
     kth = tl.load(Lows + row * (PASSES + 1) + PASSES).to(tl.int32)
     chunks = tl.arange(0, CHUNKS_P2)
@@ -199,7 +200,7 @@ def select_topk_chunked(scores, count, cand_end, out3, layers, per_layer: bool, 
                  **_launch.pdl_launch(device))
     block = min(CHUNK_BLOCK, triton.next_power_of_2(chunks))
     keys = (scores, count, cand_end, layers)
-    strides = (batch, scores.stride(0), scores.stride(1), count.stride(0) if per_layer else 0)
+    strides = (batch, scores.stride(0), scores.stride(1), count.stride(0) if per_layer else 0, scores.shape[-1])
     grid = (rows * chunks,)
     for p in range(passes):
         _count_pass[grid](*keys, counts, lows, *strides, PASS=p, CHUNK_BLOCK=block, BITS=bits, **sizes)
