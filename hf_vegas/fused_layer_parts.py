@@ -128,8 +128,8 @@ def layer_parts(layer) -> LayerParts | None:
         return None
     if any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in (layer, attn, mlp, *norms)):
         return None
-    if any(m._forward_hooks or m._forward_pre_hooks or ("forward" in vars(m) and not compat.replicated_norm_forward(m))
-           for m in head_norms):  # (under TP, transformers' forward of a replicated norm: the class's own inside)
+    if any((m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m)) and not compat.replicated_norm(m)
+           for m in head_norms):  # (under TP, transformers' replicated norm: without gradients, the class's forward)
         return None
     q, k, v, o = (getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
     act = _gated_mlp_activation(mlp)  # (a standard gated MLP whose gate/up have no bias)

@@ -345,6 +345,29 @@ def test_column_parallel_shard_is_the_shard_transformers_column_parallel_forward
     assert compat.column_parallel_shard(wrapped) is None
 
 
+def test_replicated_norm_is_transformers_replicated_norm_and_nothing_else(one_rank_mesh):
+    """A norm between a column- and a row-parallel layer (Qwen3's q/k norms), as transformers' tensor parallelism
+    leaves it: where the release gives it an instance forward (5.24) or a forward pre-hook (5.25), `replicated_norm`
+    knows it and, without gradients, its forward is the class's own (what the fused layers run); 5.17 gives it a
+    backward hook only, which the fused layers' other checks take. Any other hook is refused."""
+    name = "ReplicatedWithGradAllReduce.install_forward (Qwen3's q/k norms under tensor parallelism)"
+    from transformers.distributed import tensor_parallel
+
+    norm = torch.nn.LayerNorm(4)
+    tensor_parallel.ReplicatedWithGradAllReduce().install_forward(norm, one_rank_mesh)
+    if "forward" in vars(norm) or norm._forward_pre_hooks:
+        assert compat.replicated_norm(norm), changed(name, "no longer gives the forward or pre-hook hf_vegas knows")
+        x = torch.randn(2, 4)
+        with torch.no_grad():
+            torch.testing.assert_close(norm(x), torch.nn.LayerNorm.forward(norm, x))
+    other = torch.nn.LayerNorm(4)
+    assert not compat.replicated_norm(other), "a plain norm is not transformers' replicated one"
+    other.register_forward_pre_hook(lambda module, args: None)
+    assert not compat.replicated_norm(other), "another pre-hook is code the fused layers would skip"
+    norm.register_forward_hook(lambda module, args, output: output)
+    assert not compat.replicated_norm(norm), "a forward hook beside it is code the fused layers would skip"
+
+
 def test_column_parallel_shard_takes_only_transformers_column_parallel_forward():
     """What it must refuse without any process group."""
     linear = torch.nn.Linear(8, 4)

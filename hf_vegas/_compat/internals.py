@@ -188,14 +188,25 @@ def _tensor_parallel_forward(linear, style_name: str) -> tuple | None:
     return style, captured.get("mesh")
 
 
-def replicated_norm_forward(module) -> bool:
-    """Whether `module`'s instance forward is the one transformers' tensor parallelism gives a replicated norm between
-    a column- and a row-parallel layer (`ReplicatedWithGradAllReduce.install_forward`'s `tp_forward`, 5.24.0: Qwen3's
-    `q_norm` and `k_norm`), wrapping the class's own forward: without gradients it runs just that forward (with them
-    it hooks the weight's gradient). 5.17.0 puts a module backward hook there instead and no forward."""
-    qualname = getattr(vars(module).get("forward"), "__qualname__", "")
-    return (qualname == "ReplicatedWithGradAllReduce.install_forward.<locals>.tp_forward"
-            and _tp_forward_closure(module) is not None)
+def replicated_norm(module) -> bool:
+    """Whether transformers' tensor parallelism made `module` a replicated norm between a column- and a row-parallel
+    layer (`ReplicatedWithGradAllReduce`: Qwen3's `q_norm` and `k_norm`) in a form whose forward, without gradients,
+    is just the class's own, and nothing else hooks it:
+    - 5.24.0: an instance forward (`install_forward`'s `tp_forward`) wrapping the class's forward, no hooks;
+    - 5.25.0: no instance forward and one forward pre-hook (`install_forward`'s `tp_forward_pre_hook`), which only
+      hooks the weight's gradient while gradients are enabled.
+    5.17.0 puts a module backward hook there instead and no forward (`hf_vegas.backward_hooks`)."""
+    if module._forward_hooks:
+        return False
+    forward = vars(module).get("forward")
+    if forward is not None:
+        return (not module._forward_pre_hooks and getattr(forward, "__qualname__", "") == _REPLICATED + "tp_forward"
+                and _tp_forward_closure(module) is not None)
+    hooks = list(module._forward_pre_hooks.values())
+    return len(hooks) == 1 and getattr(hooks[0], "__qualname__", "") == _REPLICATED + "tp_forward_pre_hook"
+
+
+_REPLICATED = "ReplicatedWithGradAllReduce.install_forward.<locals>."
 
 
 def _tp_forward_closure(module) -> dict | None:
