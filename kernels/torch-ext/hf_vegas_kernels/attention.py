@@ -166,9 +166,11 @@ def _attend_list(
             # Offsets inside a row's cache in int32 where they fit (`OFFSETS_32`): 64-bit offset tiles cost a gather's
             # address arithmetic and registers (the per-head emission's verification spilled 96 bytes at sm_90, 8
             # with these). SmolLM2 64 x 7.5K, H100: a draft layer's attention 17.8 -> 14.8 us, the verification with
-            # per-head logits 150.7 -> 147.5 (`kernel_bandwidth.py`, benchmarks/RESULTS.md stop 52).
+            # per-head logits 150.7 -> 147.5 (`kernel_bandwidth.py`, benchmarks/RESULTS.md stop 52). The head's
+            # offset is 64-bit: a (B, H, S, D) view's head stride times the head can pass 2**31 on its own.
             row_slot = slot.to(tl.int32) if OFFSETS_32 else slot
-            k = tl.load(K + b * stride_kb + kvh * stride_kh + (row_slot[:, None] * stride_ks + d[None, :]),
+            k = tl.load(K + b * stride_kb + kvh.to(tl.int64) * stride_kh
+                        + (row_slot[:, None] * stride_ks + d[None, :]),
                         mask=listed[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             if HAS_SOFTCAP:
@@ -194,7 +196,8 @@ def _attend_list(
             alpha = tl.math.exp2(m_i - m_safe)
             probs = tl.math.exp2(s * qk_scale - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(probs, axis=1)
-            v = tl.load(V + b * stride_vb + kvh * stride_vh + (row_slot[:, None] * stride_vs + dv[None, :]),
+            v = tl.load(V + b * stride_vb + kvh.to(tl.int64) * stride_vh
+                        + (row_slot[:, None] * stride_vs + dv[None, :]),
                         mask=listed[:, None] & (dv[None, :] < V_DIM), other=0.0)
             acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
