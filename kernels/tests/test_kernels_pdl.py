@@ -72,7 +72,7 @@ def _attention_constexprs(**flags):  # (nothing to prefetch: its keys and values
     return dict(KV_HEADS=3, GROUPS=3, HEAD_DIM=64, V_DIM=64, BLOCK_M=16, BLOCK_N=128, BLOCK_D=64, BLOCK_DV=64,
                 SPARSE=True, HAS_SOFTCAP=False, HAS_WINDOW=False, EMIT=0, EMIT_HALF=False, NUM_SCORE_ROWS=0,
                 BLOCK_E=16, PRECISION="tf32", SINGLE=True, HAS_SINKS=False, FUSED_COMBINE=False, USE_GDC=True,
-                EARLY_TRIGGER=flags["EARLY_TRIGGER"], HAS_TAIL_START=True, BALANCE=True)
+                EARLY_TRIGGER=flags["EARLY_TRIGGER"], HAS_TAIL_START=True, BALANCE=True, OFFSETS_32=True)
 
 
 def _verify_attention_constexprs(**flags):  # a verification: 7 tokens, per-head scores, from slot 0, merged splits
@@ -105,7 +105,7 @@ WAIT_FIRST = {
     "finalize_scores": ("scores", "_finalize_scores",
                         dict(EMIT_HEADS=9, Q_HEADS=9, NUM_ROWS=2, WEIGHTS=True, MEAN_ROWS=True, BLOCK_H=16,
                              BLOCK_S=512, HAS_WINDOW=False, USE_GDC=True)),
-    "select_topk_row": ("select", "_select_topk_row", dict(BLOCK_S=8192, USE_GDC=True)),
+    "select_topk_row": ("select", "_select_topk_row", dict(BLOCK_S=8192, WRITE_BLOCK=1024, USE_GDC=True)),
     # (after a large weights' own projection, `qkv_linear`: the head norms, rotation and cache write)
     "rope_write_kv": ("qkv_rope", "_rope_write_kv", dict(Q_HEADS=9, KV_HEADS=3, HEAD_DIM=64, HALF=32, HEAD_NORM=True,
                                                          BLOCK_M=16, BLOCK_HALF=32, USE_GDC=True)),
