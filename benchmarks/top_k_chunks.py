@@ -58,8 +58,8 @@ def check_settings(chunks: list[int], bits: list[int], warps: list[int]) -> None
             raise SystemExit(f"--warps {w}: one of {WARPS}")
 
 
-def measure(layers: int, rows: int, slots: int, settings: list[dict], done=lambda record: None) -> list[dict]:
-    """One record per setting (one program per row first), each handed to `done` as soon as it is timed."""
+def measure(layers: int, rows: int, slots: int, settings: list[dict]):
+    """One record per setting (one program per row first), yielded as soon as it is timed."""
     from hf_vegas_kernels import _launch, select
 
     gen = torch.Generator(device="cuda").manual_seed(layers * rows + slots)
@@ -69,7 +69,7 @@ def measure(layers: int, rows: int, slots: int, settings: list[dict], done=lambd
     count = torch.full((rows,), budget, device="cuda", dtype=torch.long)
     out = torch.empty(layers, rows, budget, dtype=torch.long, device="cuda")
     saved = dict(_launch.SELECT_TUNING)
-    records, reference = [], None
+    reference = None
     try:
         for setting in tqdm([{"chunk": 0}] + settings, desc=f"{layers}x{rows}x{slots}", dynamic_ncols=True):
             _launch.SELECT_TUNING.update(saved, **setting)
@@ -77,13 +77,11 @@ def measure(layers: int, rows: int, slots: int, settings: list[dict], done=lambd
             us = graph_time(lambda i: select.select_topk(scores, count, cand_end, out), 1) * 1e6
             if reference is None:
                 reference = out.clone()
-            records.append(dict(layers=layers, rows=rows, slots=slots, budget=budget, setting=setting, us=us,
-                                same_as_one_program_per_row=bool(torch.equal(out, reference))))
-            done(records[-1])
+            yield dict(layers=layers, rows=rows, slots=slots, budget=budget, setting=setting, us=us,
+                       same_as_one_program_per_row=bool(torch.equal(out, reference)))
     finally:
         _launch.SELECT_TUNING.clear()
         _launch.SELECT_TUNING.update(saved)
-    return records
 
 
 def main() -> None:
@@ -103,13 +101,10 @@ def main() -> None:
     settings = [dict(chunk=c, bits=b, chunk_warps=w) for c, b, w in itertools.product(args.chunks, args.bits,
                                                                                          args.warps)]
     records = []
-
-    def done(record):
-        records.append(dict(base, **record))
-        append_records(args.out, records[-1:])
-
     for shape in shapes:
-        measure(*shape, settings, done)
+        for record in measure(*shape, settings):
+            records.append(dict(base, **record))
+            append_records(args.out, records[-1:])
     print(f"{'layers x rows x slots':>22} {'us':>9}  setting (lists equal to one program per row's)")
     for r in records:
         shape = f"{r['layers']}x{r['rows']}x{r['slots']}"

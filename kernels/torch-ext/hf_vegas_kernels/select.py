@@ -75,12 +75,17 @@ def _select_topk(
         valid = slot < n
         key = _ordered_key(tl.load(scores + slot, mask=valid, other=float("-inf")))
         above += tl.sum((valid & (key > kth)).to(tl.int32), axis=0)
-    ties_wanted = k - above
+    _write_selected(scores, Out + layer * stride_ol + b * stride_ob, n, kth, k - above, BLOCK_S)
+
+
+@triton.jit
+def _write_selected(scores, out, n, kth, ties_wanted, BLOCK: tl.constexpr):
+    """Write the slots of `scores[:n]` keyed above `kth`, and the first `ties_wanted` keyed `kth`, ascending, into
+    `out`: BLOCK slots a step, each step's positions offset by what the steps before took."""
     taken = tl.zeros([], tl.int32)
     ties_seen = tl.zeros([], tl.int32)
-    out = Out + layer * stride_ol + b * stride_ob
-    for s0 in range(0, n, BLOCK_S):
-        slot = s0 + tl.arange(0, BLOCK_S)
+    for s0 in range(0, n, BLOCK):
+        slot = s0 + tl.arange(0, BLOCK)
         valid = slot < n
         key = _ordered_key(tl.load(scores + slot, mask=valid, other=float("-inf")))
         tie = (valid & (key == kth)).to(tl.int32)
@@ -123,21 +128,8 @@ def _select_topk_row(
     # The write reads the row again, WRITE_BLOCK slots at a time (from L2: the row was just read): scanning the whole
     # row in registers kept its slots, ranks and positions live beside the keys, 255 registers and spills at 4 warps,
     # two programs per SM.
-    scores = Scores + layer * stride_sl + b * stride_sb
-    out = Out + layer * stride_ol + b * stride_ob
-    taken = tl.zeros([], tl.int32)
-    ties_seen = tl.zeros([], tl.int32)
-    for s0 in range(0, n, WRITE_BLOCK):
-        part = s0 + tl.arange(0, WRITE_BLOCK)
-        listed = part < n
-        part_key = _ordered_key(tl.load(scores + part, mask=listed, other=float("-inf")))
-        tie = (listed & (part_key == kth)).to(tl.int32)
-        tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
-        take = ((listed & (part_key > kth)) | ((tie == 1) & (tie_rank < ties_wanted))).to(tl.int32)
-        position = taken + tl.cumsum(take, axis=0) - take
-        tl.store(out + position, part.to(tl.int64), mask=take == 1)
-        taken += tl.sum(take, axis=0)
-        ties_seen += tl.sum(tie, axis=0)
+    _write_selected(Scores + layer * stride_sl + b * stride_sb, Out + layer * stride_ol + b * stride_ob, n, kth,
+                    ties_wanted, WRITE_BLOCK)
 
 
 def select_topk(scores, count, cand_end, out, layers=None):
